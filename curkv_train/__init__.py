@@ -1,0 +1,1 @@
+"""curkv-train: train value estimators for KV-cache compression."""

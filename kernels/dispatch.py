@@ -1,0 +1,61 @@
+"""Backend selection for the compression kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from curkv_train.kernels.reference import compact_kept_reference, scored_attention_reference
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported on this machine."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
+    """Map ``auto`` to ``triton`` on CUDA (or under the interpreter) and ``torch`` otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if (tensor.is_cuda or interpreting) and triton_available():
+        return "triton"
+    return "torch"
+
+
+def scored_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention with a per-key additive bias; see :func:`scored_attention_reference` for shapes."""
+    if resolve_backend(backend, q) == "torch":
+        return scored_attention_reference(q, k, v, key_bias, scale=scale, causal=causal)
+    from curkv_train.kernels.scored_attention_triton import scored_attention_triton
+
+    return scored_attention_triton(q, k, v, key_bias, scale=scale, causal=causal)
+
+
+def compact_kept(
+    k: torch.Tensor, v: torch.Tensor, keep_idx: torch.Tensor, *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense K/V of the kept tokens; see :func:`compact_kept_reference` for shapes."""
+    if resolve_backend(backend, k) == "torch":
+        return compact_kept_reference(k, v, keep_idx)
+    from curkv_train.kernels.compact_triton import compact_kept_triton
+
+    return compact_kept_triton(k, v, keep_idx)
