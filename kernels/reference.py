@@ -20,6 +20,41 @@ def causal_key_mask(num_queries: int, num_keys: int, device: torch.device) -> to
     return torch.arange(num_keys, device=device)[None, :] <= query_pos
 
 
+def scored_attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    key_bias: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Attention probabilities of :func:`scored_attention_reference`, grouped by KV head.
+
+    Args:
+        q: (batch, q_heads, M, head_dim); k: (batch, kv_heads, N, head_dim);
+        key_bias: (batch, kv_heads, N), see :func:`scored_attention_reference`.
+
+    Returns:
+        (batch, kv_heads, group, M, N) float32, group = q_heads / kv_heads; rows with no
+        visible finite logit are all zero.
+    """
+    batch, q_heads, num_queries, head_dim = q.shape
+    kv_heads, num_keys = k.shape[1], k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    queries = q.float().reshape(batch, kv_heads, q_heads // kv_heads, num_queries, head_dim)
+    logits = torch.einsum("bhgmd,bhnd->bhgmn", queries, k.float()) * scale
+    logits = logits + key_bias.float()[:, :, None, None, :]
+    if causal:
+        visible = causal_key_mask(num_queries, num_keys, q.device)
+        logits = logits.masked_fill(~visible, float("-inf"))
+    # The shift is detached: softmax does not depend on it, and a detached shift
+    # keeps -inf logits from sending NaN gradients through amax.
+    row_max = logits.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(logits - row_max)
+    return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def scored_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -44,24 +79,9 @@ def scored_attention_reference(
     Returns:
         (batch, q_heads, M, head_dim) in q's dtype. Differentiable in q and key_bias.
     """
-    batch, q_heads, num_queries, head_dim = q.shape
-    kv_heads, num_keys = k.shape[1], k.shape[2]
-    group = q_heads // kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    queries = q.float().reshape(batch, kv_heads, group, num_queries, head_dim)
-    logits = torch.einsum("bhgmd,bhnd->bhgmn", queries, k.float()) * scale
-    logits = logits + key_bias.float()[:, :, None, None, :]
-    if causal:
-        visible = causal_key_mask(num_queries, num_keys, q.device)
-        logits = logits.masked_fill(~visible, float("-inf"))
-    # The shift is detached: softmax does not depend on it, and a detached shift
-    # keeps -inf logits from sending NaN gradients through amax.
-    row_max = logits.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(logits - row_max)
-    probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    probs = scored_attention_probs(q, k, key_bias, scale=scale, causal=causal)
     out = torch.einsum("bhgmn,bhnd->bhgmd", probs, v.float())
-    return out.reshape(batch, q_heads, num_queries, head_dim).to(q.dtype)
+    return out.reshape(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]).to(q.dtype)
 
 
 def compact_kept_reference(
