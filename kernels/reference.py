@@ -52,7 +52,11 @@ def scored_attention_probs(
     row_max = logits.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(logits - row_max)
-    return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    # A row with no visible finite logit has weights == 0 and gives 0. Dividing by 1
+    # there, not by a tiny clamp, keeps its backward finite: g / tiny can overflow and
+    # inf * exp(-inf) = NaN would leak into the q and key_bias gradients.
+    denom = weights.sum(dim=-1, keepdim=True)
+    return weights / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
 def scored_attention_reference(
