@@ -20,6 +20,11 @@ def causal_key_mask(num_queries: int, num_keys: int, device: torch.device) -> to
     return torch.arange(num_keys, device=device)[None, :] <= query_pos
 
 
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """float32 accumulation, float64 for float64 inputs (so gradcheck can run)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def scored_attention_probs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -35,15 +40,16 @@ def scored_attention_probs(
         key_bias: (batch, kv_heads, N), see :func:`scored_attention_reference`.
 
     Returns:
-        (batch, kv_heads, group, M, N) float32, group = q_heads / kv_heads; rows with no
-        visible finite logit are all zero.
+        (batch, kv_heads, group, M, N) float32 (float64 for float64 q), group =
+        q_heads / kv_heads; rows with no visible finite logit are all zero.
     """
     batch, q_heads, num_queries, head_dim = q.shape
     kv_heads, num_keys = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
-    queries = q.float().reshape(batch, kv_heads, q_heads // kv_heads, num_queries, head_dim)
-    logits = torch.einsum("bhgmd,bhnd->bhgmn", queries, k.float()) * scale
-    logits = logits + key_bias.float()[:, :, None, None, :]
+    compute = _compute_dtype(q)
+    queries = q.to(compute).reshape(batch, kv_heads, q_heads // kv_heads, num_queries, head_dim)
+    logits = torch.einsum("bhgmd,bhnd->bhgmn", queries, k.to(compute)) * scale
+    logits = logits + key_bias.to(compute)[:, :, None, None, :]
     if causal:
         visible = causal_key_mask(num_queries, num_keys, q.device)
         logits = logits.masked_fill(~visible, float("-inf"))
@@ -84,7 +90,7 @@ def scored_attention_reference(
         (batch, q_heads, M, head_dim) in q's dtype. Differentiable in q and key_bias.
     """
     probs = scored_attention_probs(q, k, key_bias, scale=scale, causal=causal)
-    out = torch.einsum("bhgmn,bhnd->bhgmd", probs, v.float())
+    out = torch.einsum("bhgmn,bhnd->bhgmd", probs, v.to(probs.dtype))
     return out.reshape(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]).to(q.dtype)
 
 
