@@ -30,6 +30,7 @@ import triton.language as tl
 # kernels are autotuned over the configs below unless the caller fixes the blocks.
 INTERPRET_MAX_BLOCK = 64
 MIN_BLOCK = 16
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _FWD_CONFIGS = [
     (128, 64, 8, 3),
@@ -331,6 +332,8 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch
         raise ValueError("q, k, v and key_bias must be on the same device")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
     if not q.is_cuda and not _interpreting():
         raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
 

@@ -1,0 +1,103 @@
+"""The ``curkv`` attention function, registered with transformers' AttentionInterface.
+
+Every decoder layer of a patched model calls :func:`curkv_attention_forward`. What
+it does is decided per forward call by a :class:`CompressionState` passed as the
+model keyword ``curkv_state`` (transformers forwards extra keywords down to the
+attention function):
+
+- no state, or ``mode="full"``: plain causal attention (SDPA);
+- ``mode="capture"``: plain attention that also records, per layer, the attention
+  the queries pay to each context key (DESIGN §1 step 1, for warm start and stats);
+- ``mode="scored"``: the continuation's queries see context key j through
+  ``logit + key_bias[layer][j]`` (the student, DESIGN §4), via the fused path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from curkv_train.errors import CurKVError
+from curkv_train.kernels import scored_attention
+from curkv_train.kernels.reference import scored_attention_probs
+
+ATTENTION_NAME = "curkv"
+MODES = ("full", "capture", "scored")
+
+
+@dataclass
+class CompressionState:
+    """What the ``curkv`` attention does during one forward call.
+
+    Attributes:
+        mode: one of ``full``, ``capture``, ``scored``.
+        context_length: number of leading cached tokens the bias and statistics refer to.
+        key_bias: per layer, (batch, kv_heads, context_length) float32 added to the
+            continuation's logits on context keys (``scored`` mode).
+        backend: kernel backend for ``scored`` mode (auto, torch, triton).
+        attention_mass: filled in ``capture`` mode: per layer, (batch, kv_heads,
+            context_length) attention the queries paid to each context key, summed
+            over queries and averaged over the KV head's query heads.
+    """
+
+    mode: str = "full"
+    context_length: int = 0
+    key_bias: list[torch.Tensor] | None = None
+    backend: str = "auto"
+    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown attention mode {self.mode!r}; expected one of {', '.join(MODES)}")
+
+
+def curkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    curkv_state: CompressionState | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for one layer; query (B, Hq, M, d), key/value (B, Hkv, N, d) -> (B, M, Hq, d)."""
+    state = curkv_state
+    if state is None or state.mode == "full":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if attention_mask is not None:
+        raise CurKVError("curkv attention does not support padded batches; use equal-length examples")
+    layer = module.layer_idx
+    batch, kv_heads, num_keys = key.shape[0], key.shape[1], key.shape[2]
+    bias = torch.zeros(batch, kv_heads, num_keys, dtype=torch.float32, device=key.device)
+    if state.mode == "scored":
+        context_bias = state.key_bias[layer]
+        bias = torch.cat([context_bias.to(key.device), bias[..., context_bias.shape[-1] :]], dim=-1)
+        out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=state.backend)
+        return out.transpose(1, 2).contiguous(), None
+    probs = scored_attention_probs(query, key, bias, scale=scaling, causal=True)
+    context = min(state.context_length, num_keys)
+    state.attention_mass[layer] = probs[..., :context].sum(dim=-2).mean(dim=2)
+    out = torch.einsum("bhgmn,bhnd->bhgmd", probs, value.float())
+    out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1]).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Register :func:`curkv_attention_forward` under ``curkv`` (idempotent) and return the name."""
+    AttentionInterface.register(ATTENTION_NAME, curkv_attention_forward)
+    return ATTENTION_NAME
+
+
+def patch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Route every decoder layer of ``model`` through the ``curkv`` attention function."""
+    register_attention()
+    try:
+        model.set_attn_implementation(ATTENTION_NAME)
+    except (ValueError, AttributeError) as error:
+        raise CurKVError(f"cannot patch the attention of {type(model).__name__}: {error}") from error
+    return model

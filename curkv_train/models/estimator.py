@@ -1,0 +1,140 @@
+"""The value estimator: a keep score for every cached (layer, KV head, token).
+
+Per layer l and KV head h, for context token j with key k_j, value v_j and
+position features p_j (DESIGN.md §3)::
+
+    z_j = a_{l,h}·k_j / sqrt(d) + w_{l,h}·φ(p_j) + mlp_{l,h}(v_j) + b_{l,h}
+    s_j = σ(z_j / T)
+
+Parameters are stacked over (layer, KV head) so each term is one einsum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+NUM_POSITION_FEATURES = 8
+
+
+def position_features(positions: torch.Tensor, end: int, max_positions: int) -> torch.Tensor:
+    """Scalar-term features of where a token sits relative to the end of the context.
+
+    Args:
+        positions: (tokens,) absolute positions of the cached tokens.
+        end: length of the sequence so far (the next query's position).
+        max_positions: the base model's maximum positions, for scaling.
+
+    Returns:
+        (tokens, NUM_POSITION_FEATURES) float32: log-scaled distance to the end, its
+        square, relative position j/n, its square, and sin/cos of the log distance at
+        two frequencies.
+    """
+    positions = positions.float()
+    distance = (end - 1 - positions).clamp_min(0)
+    log_distance = torch.log1p(distance) / math.log1p(max_positions)
+    relative = positions / max(end, 1)
+    angle = math.pi * log_distance
+    return torch.stack(
+        [
+            log_distance,
+            log_distance**2,
+            relative,
+            relative**2,
+            torch.sin(angle),
+            torch.cos(angle),
+            torch.sin(2 * angle),
+            torch.cos(2 * angle),
+        ],
+        dim=-1,
+    )
+
+
+class ValueEstimator(nn.Module):
+    """Keep-score logits for cached tokens, batched over (layer, KV head).
+
+    Args:
+        num_layers: decoder layers of the base model.
+        num_kv_heads: KV heads per layer.
+        head_dim: key/value width per head.
+        hidden_divisor: the value MLP is d -> d / hidden_divisor -> 1.
+        max_positions: the base model's maximum positions (scales position features).
+        init_keep: initial keep score of every token, sets the bias to logit(init_keep).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden_divisor: int = 4,
+        max_positions: int = 8192,
+        init_keep: float = 0.5,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < init_keep < 1.0:
+            raise ValueError(f"init_keep must be in (0, 1), got {init_keep}")
+        hidden = max(1, head_dim // hidden_divisor)
+        shape = (num_layers, num_kv_heads)
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.hidden_divisor, self.max_positions, self.init_keep = hidden_divisor, max_positions, init_keep
+        self.key_weight = nn.Parameter(torch.zeros(*shape, head_dim))
+        self.position_weight = nn.Parameter(torch.zeros(*shape, NUM_POSITION_FEATURES))
+        self.value_in = nn.Parameter(torch.randn(*shape, head_dim, hidden) / math.sqrt(head_dim))
+        self.value_in_bias = nn.Parameter(torch.zeros(*shape, hidden))
+        self.value_out = nn.Parameter(torch.randn(*shape, hidden) / math.sqrt(hidden) * 0.1)
+        self.bias = nn.Parameter(torch.full(shape, math.log(init_keep / (1 - init_keep))))
+
+    def config(self) -> dict:
+        """Constructor arguments, enough to rebuild this estimator."""
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_divisor": self.hidden_divisor,
+            "max_positions": self.max_positions,
+            "init_keep": self.init_keep,
+        }
+
+    def forward(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        end: int,
+        layers: torch.Tensor | slice = slice(None),
+    ) -> torch.Tensor:
+        """Keep-score logits z.
+
+        Args:
+            keys: (L', batch, kv_heads, tokens, head_dim) keys in the estimator's key view.
+            values: (L', batch, kv_heads, tokens, head_dim) values.
+            positions: (tokens,) absolute positions of the tokens.
+            end: sequence length so far (distance features are measured to it).
+            layers: which layers' parameters to use (L' of them); all by default.
+
+        Returns:
+            (L', batch, kv_heads, tokens) float32 logits.
+        """
+        keys, values = keys.float(), values.float()
+        key_term = torch.einsum("lbhnd,lhd->lbhn", keys, self.key_weight[layers]) / math.sqrt(self.head_dim)
+        hidden = torch.einsum("lbhnd,lhdk->lbhnk", values, self.value_in[layers])
+        hidden = torch.relu(hidden + self.value_in_bias[layers][:, None, :, None, :])
+        value_term = torch.einsum("lbhnk,lhk->lbhn", hidden, self.value_out[layers])
+        features = position_features(positions.to(keys.device), end, self.max_positions)
+        position_term = torch.einsum("nf,lhf->lhn", features, self.position_weight[layers])[:, None]
+        return key_term + value_term + position_term + self.bias[layers][:, None, :, None]
+
+    def score_layer(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int
+    ) -> torch.Tensor:
+        """Logits for one layer: keys/values (batch, kv_heads, tokens, head_dim) -> (batch, kv_heads, tokens)."""
+        index = torch.tensor([layer], device=self.bias.device)
+        return self.forward(keys[None], values[None], positions, end, layers=index)[0]
+
+
+def keep_scores(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Keep scores s = σ(z / T), same shape as ``logits``."""
+    return torch.sigmoid(logits / temperature)

@@ -1,0 +1,137 @@
+"""The distillation objective (DESIGN §4): chunked KL, budget control, keep biases."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+BUDGET_MODES = ("two_sided", "hinge", "lagrange")
+# Keep weight of an evicted token in the hard stage: small enough to leave the
+# forward pass as top-k does, large enough that log(weight) keeps the gradient
+# an evicted token would get if it were put back (straight-through in weight space).
+EVICTED_WEIGHT = 1e-6
+
+
+def _chunk_kl(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    """Summed KL(teacher ‖ student) over the tokens of one chunk of hidden states."""
+    teacher_logp = lm_head(teacher_hidden).float().log_softmax(dim=-1)
+    student_logp = lm_head(student_hidden).float().log_softmax(dim=-1)
+    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum()
+
+
+def chunked_kl(
+    teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, lm_head: nn.Module, chunk_size: int = 64
+) -> torch.Tensor:
+    """Mean per-token KL(p_teacher ‖ p_student) without holding all logits at once.
+
+    Each chunk's logits are recomputed in backward (activation checkpointing), so at
+    most ``chunk_size`` tokens × vocabulary logits live at a time.
+
+    Args:
+        teacher_hidden, student_hidden: (batch, tokens, hidden) last hidden states.
+        lm_head: the model's output projection.
+    """
+    batch, tokens, hidden = student_hidden.shape
+    teacher_flat = teacher_hidden.reshape(-1, hidden)
+    student_flat = student_hidden.reshape(-1, hidden)
+    total = student_hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, teacher_flat.shape[0], chunk_size):
+        stop = start + chunk_size
+        total = total + checkpoint(
+            _chunk_kl, teacher_flat[start:stop], student_flat[start:stop], lm_head, use_reentrant=False
+        )
+    return total / (batch * tokens)
+
+
+def compressible_mask(context_length: int, n_sink: int, window: int, device=None) -> torch.Tensor:
+    """(context_length,) bool: True for tokens that are neither sinks nor in the recent window."""
+    positions = torch.arange(context_length, device=device)
+    return (positions >= n_sink) & (positions < context_length - window)
+
+
+def kept_count(num_compressible: int, keep_ratio: float) -> int:
+    """Compressible tokens kept at ``keep_ratio``: ceil(ρ·n), never rounding a kept token away."""
+    return min(num_compressible, math.ceil(keep_ratio * num_compressible - 1e-9))
+
+
+def hard_keep_mask(logits: torch.Tensor, keep_ratio: float) -> torch.Tensor:
+    """Top-⌈ρ·n⌉ of ``logits`` (..., n) along the last dim as a 0/1 float mask."""
+    count = kept_count(logits.shape[-1], keep_ratio)
+    mask = torch.zeros_like(logits)
+    if count > 0:
+        mask.scatter_(-1, logits.topk(count, dim=-1).indices, 1.0)
+    return mask
+
+
+def keep_bias(
+    logits: torch.Tensor,
+    compressible: torch.Tensor,
+    *,
+    temperature: float,
+    keep_ratio: float,
+    hard: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention biases on context keys from estimator logits.
+
+    Args:
+        logits: (layers, batch, kv_heads, context) estimator logits z.
+        compressible: (context,) bool mask of compressible tokens.
+
+    Returns:
+        (bias, scores): bias (layers, batch, kv_heads, context) = log keep weight on
+        compressible keys, 0 on sinks / window; scores (layers, batch, kv_heads, n_compressible)
+        = σ(z/T) on the compressible tokens. With ``hard``, the forward keeps exactly
+        the top-⌈ρ·n⌉ tokens and gradients pass straight through to the soft scores.
+        With ρ = 1 nothing is compressed and the bias is 0.
+    """
+    scores = torch.sigmoid(logits[..., compressible] / temperature)
+    bias = torch.zeros_like(logits)
+    if keep_ratio >= 1.0:
+        return bias, scores
+    if hard:
+        mask = hard_keep_mask(logits[..., compressible], keep_ratio)
+        weight = mask * (1 - EVICTED_WEIGHT) + EVICTED_WEIGHT + scores - scores.detach()
+    else:
+        weight = scores
+    bias[..., compressible] = torch.log(weight.clamp_min(torch.finfo(torch.float32).tiny))
+    return bias, scores
+
+
+class BudgetController(nn.Module):
+    """Penalty that keeps the mean keep score per (layer, KV head) at the target ratio ρ.
+
+    Modes: ``two_sided`` λ·|mean − ρ| (default); ``hinge`` λ·relu(mean − ρ) (the seed's,
+    which lets the mean sink below ρ); ``lagrange``: ν·(mean − ρ) with a multiplier ν per
+    (layer, head) raised and lowered by dual ascent (``dual_step`` after each step).
+
+    Args:
+        num_layers, num_kv_heads: the multiplier grid.
+        mode: one of BUDGET_MODES.
+        dual_lr: dual ascent step size for ``lagrange``.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, mode: str = "two_sided", dual_lr: float = 0.05) -> None:
+        super().__init__()
+        if mode not in BUDGET_MODES:
+            raise ValueError(f"unknown budget mode {mode!r}; expected one of {', '.join(BUDGET_MODES)}")
+        self.mode, self.dual_lr = mode, dual_lr
+        self.register_buffer("multipliers", torch.zeros(num_layers, num_kv_heads))
+
+    def forward(self, mean_keep: torch.Tensor, keep_ratio: float, weight: float) -> torch.Tensor:
+        """Penalty for ``mean_keep`` (layers, kv_heads) against ``keep_ratio``."""
+        gap = mean_keep - keep_ratio
+        if self.mode == "two_sided":
+            return weight * gap.abs().mean()
+        if self.mode == "hinge":
+            return weight * torch.relu(gap).mean()
+        return (self.multipliers * gap).mean()
+
+    @torch.no_grad()
+    def dual_step(self, mean_keep: torch.Tensor, keep_ratio: float) -> None:
+        """Dual ascent: raise ν where the mean keep is above ρ, lower it where below."""
+        if self.mode == "lagrange":
+            self.multipliers.add_(self.dual_lr * (mean_keep.detach() - keep_ratio))

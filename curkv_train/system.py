@@ -1,0 +1,172 @@
+"""CurKVModule: the LightningModule that distills the value estimator (DESIGN §1, §4)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from curkv_train.attention import CompressionState, patch_model
+from curkv_train.errors import CurKVError
+from curkv_train.kernels import BACKENDS
+from curkv_train.models.base import load_base_model
+from curkv_train.models.capture import KEY_VIEWS, ContextCapture, continue_from, prefill_context
+from curkv_train.models.estimator import ValueEstimator
+from curkv_train.objective import BudgetController, chunked_kl, compressible_mask, keep_bias
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_keep_ratio(keep_ratio: float) -> float:
+    """``keep_ratio`` if it lies in (0, 1], else a CurKVError."""
+    if not 0.0 < keep_ratio <= 1.0:
+        raise CurKVError(f"keep_ratio must be in (0, 1], got {keep_ratio} (compression ratio = 1 - keep_ratio)")
+    return keep_ratio
+
+
+class CurKVModule(L.LightningModule):
+    """Trains a :class:`ValueEstimator` against a frozen LLM by distillation.
+
+    Only estimator parameters are optimized and checkpointed; the base model is
+    loaded in :meth:`configure_model` (so strategies such as FSDP can shard it).
+
+    Args:
+        base_model: hub id, local folder, ``embedded:NAME`` or ``tiny-random-llama``.
+        base_fallback: loaded instead when ``base_model`` is unreachable.
+        base_dtype: float32, bfloat16 or float16 for the frozen base.
+        n_sink: leading context tokens always kept (attention sinks).
+        window: trailing context tokens always kept (recent window).
+        keep_ratio: target ρ = kept / compressible tokens.
+        temperature: score temperature T in s = σ(z / T).
+        hard_topk: train on the exact top-⌈ρ·n⌉ mask (straight-through gradients).
+        budget_mode: two_sided, hinge or lagrange (see BudgetController).
+        budget_weight: λ of the budget penalty.
+        dual_lr: dual ascent step for the lagrange budget.
+        hidden_mse_weight: μ of the optional last-hidden-state MSE.
+        kl_chunk_size: tokens per vocabulary-logit chunk of the KL.
+        key_view: pre_rope, end_relative or post_rope keys for the estimator.
+        backend: compression kernel backend (auto, torch, triton).
+        hidden_divisor: the estimator's value MLP is d -> d / hidden_divisor -> 1.
+        init_keep: the estimator's initial keep score.
+        learning_rate, weight_decay: AdamW settings.
+    """
+
+    def __init__(self, base_model: str = "tiny-random-llama", base_fallback: str | None = None,
+                 base_dtype: str = "float32", n_sink: int = 4, window: int = 64, keep_ratio: float = 0.5,
+                 temperature: float = 1.0, hard_topk: bool = False, budget_mode: str = "two_sided",
+                 budget_weight: float = 0.4, dual_lr: float = 0.05, hidden_mse_weight: float = 0.0,
+                 kl_chunk_size: int = 64, key_view: str = "pre_rope", backend: str = "auto",
+                 hidden_divisor: int = 4, init_keep: float = 0.5, learning_rate: float = 1e-3,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        check_keep_ratio(keep_ratio)
+        if key_view not in KEY_VIEWS:
+            raise CurKVError(f"unknown key_view {key_view!r}; expected one of {', '.join(KEY_VIEWS)}")
+        if backend not in BACKENDS:
+            raise CurKVError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if base_dtype not in DTYPES:
+            raise CurKVError(f"unknown base_dtype {base_dtype!r}; expected one of {', '.join(DTYPES)}")
+        self.keep_ratio, self.temperature, self.hard_topk = keep_ratio, temperature, hard_topk
+        self.budget_weight = budget_weight
+        self.base = None
+        self.estimator: ValueEstimator | None = None
+        self.budget: BudgetController | None = None
+        self.strict_loading = False  # checkpoints hold the estimator only, never the frozen base
+        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in ("kl_soft", "kl_hard", "kl_recent")})
+
+    def configure_model(self) -> None:
+        """Load the frozen base, patch its attention, and build the estimator for its shapes."""
+        if self.base is not None:
+            return
+        hp = self.hparams
+        self.base = patch_model(load_base_model(hp.base_model, fallback=hp.base_fallback, dtype=DTYPES[hp.base_dtype]))
+        config = self.base.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+        self.estimator = ValueEstimator(layers, kv_heads, head_dim, hidden_divisor=hp.hidden_divisor,
+                                        max_positions=config.max_position_embeddings, init_keep=hp.init_keep)
+        self.budget = BudgetController(layers, kv_heads, mode=hp.budget_mode, dual_lr=hp.dual_lr)
+
+    def teacher_pass(self, input_ids: torch.Tensor, context_length: int):
+        """Prefill the context and run the full-cache teacher over the continuation, no grad.
+
+        Args:
+            input_ids: (batch, context + continuation) token ids.
+            context_length: tokens of the compressed context.
+
+        Returns:
+            (capture, continuation ids (batch, M), teacher hidden states (batch, M, hidden)).
+        """
+        capture = prefill_context(self.base, input_ids[:, :context_length], self.hparams.key_view)
+        continuation = input_ids[:, context_length:]
+        with torch.no_grad():
+            teacher = continue_from(self.base, capture, continuation, CompressionState("full"))
+        return capture, continuation, teacher
+
+    def distill(self, capture: ContextCapture, continuation: torch.Tensor, teacher: torch.Tensor, *,
+                keep_ratio: float, hard: bool) -> dict:
+        """Student pass against the teacher: loss terms and keep statistics."""
+        hp = self.hparams
+        logits = self.estimator(capture.keys, capture.values, capture.positions, capture.context_length)
+        compressible = compressible_mask(capture.context_length, hp.n_sink, hp.window, device=continuation.device)
+        bias, scores = keep_bias(logits, compressible, temperature=self.temperature, keep_ratio=keep_ratio, hard=hard)
+        student = self.student_hidden(capture, continuation, bias)
+        kl = chunked_kl(teacher, student, self.base.get_output_embeddings(), hp.kl_chunk_size)
+        mean_keep = scores.mean(dim=(1, 3))
+        budget = self.budget(mean_keep, keep_ratio, self.budget_weight) if keep_ratio < 1 else kl.new_zeros(())
+        mse = F.mse_loss(student.float(), teacher.float()) if hp.hidden_mse_weight else kl.new_zeros(())
+        loss = kl + budget + hp.hidden_mse_weight * mse
+        return {"loss": loss, "kl": kl, "budget": budget, "hidden_mse": mse, "mean_keep": mean_keep,
+                "scores": scores.detach()}
+
+    def student_hidden(self, capture: ContextCapture, continuation: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Continuation hidden states (batch, M, hidden) with ``bias`` (layers, batch, kv_heads, context)."""
+        state = CompressionState("scored", capture.context_length, list(bias), self.hparams.backend)
+        return continue_from(self.base, capture, continuation, state)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        capture, continuation, teacher = self.teacher_pass(batch["input_ids"], batch["context_length"])
+        out = self.distill(capture, continuation, teacher, keep_ratio=self.keep_ratio, hard=self.hard_topk)
+        self._last_mean_keep = out["mean_keep"].detach()
+        size = batch["input_ids"].shape[0]
+        self.log_dict({"train/loss": out["loss"], "train/kl": out["kl"], "train/budget": out["budget"],
+                       "train/mean_keep": out["mean_keep"].mean()}, prog_bar=True, batch_size=size)
+        if self.hparams.hidden_mse_weight:
+            self.log("train/hidden_mse", out["hidden_mse"], batch_size=size)
+        effective = (out["scores"] > 0.5).float().mean(dim=(1, 2, 3))
+        self.log_dict({f"keep_layer/{layer:02d}": value for layer, value in enumerate(effective)}, batch_size=size)
+        return out["loss"]
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self.budget.dual_step(self._last_mean_keep, self.keep_ratio)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        ids = batch["input_ids"]
+        capture, continuation, teacher = self.teacher_pass(ids, batch["context_length"])
+        for name, hard in (("kl_soft", False), ("kl_hard", True)):
+            out = self.distill(capture, continuation, teacher, keep_ratio=self.keep_ratio, hard=hard)
+            self.val_metrics[name].update(out["kl"])
+        self.val_metrics["kl_recent"].update(self.recent_window_kl(capture, continuation, teacher))
+        self.log_dict({f"val/{name}": metric for name, metric in self.val_metrics.items()}, prog_bar=True,
+                      batch_size=ids.shape[0])
+
+    def recent_window_kl(self, capture: ContextCapture, continuation: torch.Tensor,
+                         teacher: torch.Tensor) -> torch.Tensor:
+        """KL of keeping the most recent ⌈ρ·n⌉ compressible tokens (StreamingLLM), for reference."""
+        recency = capture.positions.float().expand_as(capture.keys[..., 0])
+        compressible = compressible_mask(capture.context_length, self.hparams.n_sink, self.hparams.window,
+                                         device=continuation.device)
+        bias, _ = keep_bias(recency, compressible, temperature=1.0, keep_ratio=self.keep_ratio, hard=True)
+        student = self.student_hidden(capture, continuation, bias)
+        return chunked_kl(teacher, student, self.base.get_output_embeddings(), self.hparams.kl_chunk_size)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.estimator.parameters(), lr=self.hparams.learning_rate,
+                                 weight_decay=self.hparams.weight_decay)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep only the estimator and budget state: the base model is frozen and reloadable."""
+        checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
+                                    if not key.startswith("base.")}

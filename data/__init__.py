@@ -1,0 +1,1 @@
+"""Package data: the top-level data/ folder, shipped inside curkv_train."""
