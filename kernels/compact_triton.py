@@ -63,14 +63,17 @@ def _validate(k: torch.Tensor, v: torch.Tensor, keep_idx: torch.Tensor) -> None:
         raise ValueError("k, v must be (batch, kv_heads, N, dim) and keep_idx (batch, kv_heads, K)")
     if k.shape[:3] != v.shape[:3] or keep_idx.shape[:2] != k.shape[:2]:
         raise ValueError(
-            f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, keep_idx {tuple(keep_idx.shape)}"
+            f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+            f"keep_idx {tuple(keep_idx.shape)}"
         )
     if keep_idx.dtype != torch.int64:
         raise TypeError(f"keep_idx must be int64, got {keep_idx.dtype}")
     if len({k.device, v.device, keep_idx.device}) != 1:
         raise ValueError("k, v and keep_idx must be on the same device")
     if not k.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        raise RuntimeError(
+            "the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors"
+        )
 
 
 def compact_kept_triton(

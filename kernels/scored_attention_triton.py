@@ -321,11 +321,16 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch
     batch, q_heads, _, head_dim = q.shape
     kv_heads, num_keys = k.shape[1], k.shape[2]
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, kv_heads, N, {head_dim})")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, kv_heads, N, {head_dim})"
+        )
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
     if tuple(key_bias.shape) != (batch, kv_heads, num_keys):
-        raise ValueError(f"key_bias must be (batch, kv_heads, N) = {(batch, kv_heads, num_keys)}, got {tuple(key_bias.shape)}")
+        raise ValueError(
+            f"key_bias must be (batch, kv_heads, N) = {(batch, kv_heads, num_keys)}, "
+            f"got {tuple(key_bias.shape)}"
+        )
     if head_dim < MIN_BLOCK or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= {MIN_BLOCK}, got {head_dim}")
     if len({q.device, k.device, v.device, key_bias.device}) != 1:
@@ -335,7 +340,9 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
     if not q.is_cuda and not _interpreting():
-        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        raise RuntimeError(
+            "the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors"
+        )
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -368,7 +375,8 @@ def _forward(q, k, v, key_bias, scale, causal, blocks, keep_f32):
     batch, q_heads, num_queries, head_dim = q.shape
     kv_heads, num_keys = k.shape[1], k.shape[2]
     out = torch.empty((batch, q_heads, num_queries, head_dim), device=q.device, dtype=q.dtype)
-    lse = torch.full((batch, q_heads, num_queries), float("-inf"), device=q.device, dtype=torch.float32)
+    lse = torch.full((batch, q_heads, num_queries), float("-inf"), device=q.device,
+                     dtype=torch.float32)
     store_f32 = keep_f32 and q.dtype != torch.float32
     out32 = torch.empty(out.shape, device=q.device, dtype=torch.float32) if store_f32 else out
     if out.numel() > 0:
