@@ -20,10 +20,15 @@ from curkv_train.kernels.scored_attention_triton import scored_attention_triton
 TOLERANCES = {
     torch.float32: {"out": (2e-5, 1e-5), "dq": (1e-4, 1e-4), "dbias": (1e-4, 1e-4)},
     torch.float16: {"out": (4e-3, 4e-3), "dq": (4e-3, 4e-3), "dbias": (2e-3, 2e-3)},
-    torch.bfloat16: {"out": (2e-2, 2e-2), "dq": (3e-2, 3e-2), "dbias": (1.5e-2, 1.5e-2)},
+    torch.bfloat16: {"out": (2e-2, 2e-2), "dq": (3e-2, 3e-2), "dbias": (2e-2, 2e-2)},
 }
 # |sum_j dbias_j| relative to sum_j |dbias_j| per (batch, KV head): softmax invariance.
-IDENTITY_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
+IDENTITY_TOLERANCE = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-2,
+}
 BLOCK = 16
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -49,14 +54,15 @@ def make_inputs(dtype, batch=2, q_heads=4, kv_heads=2, num_queries=13, num_keys=
 
 
 def run(fn, q, k, v, bias, grad_out=None, **kwargs):
-    """Forward + backward of fn; returns (out, dq, dbias) as float tensors."""
+    """Forward + backward of fn; returns (out, dq, dbias) in float32 (float64 stays)."""
     q = q.detach().clone().requires_grad_()
     bias = bias.detach().clone().requires_grad_()
     out = fn(q, k, v, bias, **kwargs)
     if grad_out is None:
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     out.backward(grad_out)
-    return out.detach().float(), q.grad.float(), bias.grad.float()
+    results = (out.detach(), q.grad, bias.grad)
+    return tuple(t.to(torch.promote_types(t.dtype, torch.float32)) for t in results)
 
 
 def assert_matches(got, want, dtype):
@@ -159,7 +165,7 @@ def dbias_column_sums(dbias):
     return dbias.sum(-1).abs(), dbias.abs().sum(-1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", list(IDENTITY_TOLERANCE), ids=str)
 def test_dbias_sums_to_zero(dtype):
     """Softmax is invariant to a per-row shift, so sum_j dS_ij = 0 for every row i and the
     key-bias gradient summed over all keys vanishes per (batch, KV head)."""
