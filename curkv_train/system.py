@@ -70,6 +70,7 @@ class CurKVModule(L.LightningModule):
             raise CurKVError(f"unknown base_dtype {base_dtype!r}; expected one of {', '.join(DTYPES)}")
         self.keep_ratio, self.temperature, self.hard_topk = keep_ratio, temperature, hard_topk
         self.budget_weight = budget_weight
+        self.warm_start = False  # set by the curriculum's stage 0
         self.base = None
         self.estimator: ValueEstimator | None = None
         self.budget: BudgetController | None = None
@@ -89,7 +90,7 @@ class CurKVModule(L.LightningModule):
                                         max_positions=config.max_position_embeddings, init_keep=hp.init_keep)
         self.budget = BudgetController(layers, kv_heads, mode=hp.budget_mode, dual_lr=hp.dual_lr)
 
-    def teacher_pass(self, input_ids: torch.Tensor, context_length: int):
+    def teacher_pass(self, input_ids: torch.Tensor, context_length: int, capture_attention: bool = False):
         """Prefill the context and run the full-cache teacher over the continuation, no grad.
 
         Args:
@@ -99,10 +100,15 @@ class CurKVModule(L.LightningModule):
         Returns:
             (capture, continuation ids (batch, M), teacher hidden states (batch, M, hidden)).
         """
+        positions = self.base.config.max_position_embeddings
+        if input_ids.shape[1] > positions:
+            raise CurKVError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's {positions} positions")
         capture = prefill_context(self.base, input_ids[:, :context_length], self.hparams.key_view)
         continuation = input_ids[:, context_length:]
+        state = CompressionState("capture" if capture_attention else "full", context_length)
         with torch.no_grad():
-            teacher = continue_from(self.base, capture, continuation, CompressionState("full"))
+            teacher = continue_from(self.base, capture, continuation, state)
+        capture.attention_mass = state.attention_mass
         return capture, continuation, teacher
 
     def distill(self, capture: ContextCapture, continuation: torch.Tensor, teacher: torch.Tensor, *,
@@ -121,12 +127,33 @@ class CurKVModule(L.LightningModule):
         return {"loss": loss, "kl": kl, "budget": budget, "hidden_mse": mse, "mean_keep": mean_keep,
                 "scores": scores.detach()}
 
+    def warm_start_loss(self, capture: ContextCapture) -> torch.Tensor:
+        """Listwise ranking loss of the logits against the value-weighted attention mass (stage 0).
+
+        Target per (layer, batch, head): C_j = mass_j·‖v_j‖ over compressible tokens, normalised
+        to a distribution; loss = cross-entropy of softmax(z) against it. No LLM backward.
+        """
+        hp = self.hparams
+        compressible = compressible_mask(capture.context_length, hp.n_sink, hp.window, device=capture.keys.device)
+        mass = torch.stack([capture.attention_mass[layer] for layer in range(len(capture.attention_mass))])
+        value_weighted = (mass * capture.values.norm(dim=-1))[..., compressible]
+        target = value_weighted / value_weighted.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+        logits = self.estimator(capture.keys, capture.values, capture.positions, capture.context_length)
+        log_probs = torch.log_softmax(logits[..., compressible], dim=-1)
+        return -(target * log_probs).sum(dim=-1).mean()
+
     def student_hidden(self, capture: ContextCapture, continuation: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Continuation hidden states (batch, M, hidden) with ``bias`` (layers, batch, kv_heads, context)."""
         state = CompressionState("scored", capture.context_length, list(bias), self.hparams.backend)
         return continue_from(self.base, capture, continuation, state)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.warm_start:
+            capture, _, _ = self.teacher_pass(batch["input_ids"], batch["context_length"], capture_attention=True)
+            loss = self.warm_start_loss(capture)
+            self._last_mean_keep = None
+            self.log("train/warm_start", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+            return loss
         capture, continuation, teacher = self.teacher_pass(batch["input_ids"], batch["context_length"])
         out = self.distill(capture, continuation, teacher, keep_ratio=self.keep_ratio, hard=self.hard_topk)
         self._last_mean_keep = out["mean_keep"].detach()
@@ -140,7 +167,8 @@ class CurKVModule(L.LightningModule):
         return out["loss"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        self.budget.dual_step(self._last_mean_keep, self.keep_ratio)
+        if self._last_mean_keep is not None:
+            self.budget.dual_step(self._last_mean_keep, self.keep_ratio)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         ids = batch["input_ids"]

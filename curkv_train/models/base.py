@@ -7,12 +7,15 @@ import os
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
 from curkv_train.errors import CurKVError
 from curkv_train.models.embedded import EMBEDDED_MODELS, embedded_model_dir
 
 log = logging.getLogger(__name__)
+# Weight-loading progress bars would flood training logs; Lightning shows the one that matters.
+hf_logging.disable_progress_bar()
 
 TINY_RANDOM = "tiny-random-llama"
 

@@ -11,7 +11,7 @@ estimator's key view is obtained exactly by rotating back (DESIGN §3):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -30,12 +30,15 @@ class ContextCapture:
         keys: (layers, batch, kv_heads, context, head_dim) keys in the requested view.
         values: (layers, batch, kv_heads, context, head_dim) values.
         positions: (context,) absolute positions of the context tokens.
+        attention_mass: per layer, (batch, kv_heads, context) attention the continuation
+            paid to each context key (filled by a capturing teacher pass).
     """
 
     cache: DynamicCache
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def context_length(self) -> int:
