@@ -62,22 +62,31 @@ def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor):
-    """(cos, sin) of shape (tokens, head_dim) for ``positions``, or None without rotary embeddings."""
+    """(cos, sin) of shape (*positions.shape, head_dim) for ``positions``, or None without rotary embeddings.
+
+    ``positions`` is (tokens,) or has leading dims, e.g. (batch, kv_heads, tokens) when
+    each head holds a different set of tokens.
+    """
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     if rotary is None:
         return None
-    cos, sin = rotary(like, positions[None])
-    return cos[0].float(), sin[0].float()
+    cos, sin = rotary(like, positions.reshape(1, -1))
+    shape = (*positions.shape, cos.shape[-1])
+    return cos[0].float().reshape(shape), sin[0].float().reshape(shape)
 
 
 def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor, view: str) -> torch.Tensor:
-    """Keys (..., tokens, head_dim) post-RoPE at ``positions`` -> the estimator's key view."""
+    """Keys (..., tokens, head_dim) post-RoPE at ``positions`` -> the estimator's key view.
+
+    ``positions`` is (tokens,) or matches the keys' leading dims, e.g. (batch, kv_heads, tokens).
+    """
     if view not in KEY_VIEWS:
         raise ValueError(f"unknown key view {view!r}; expected one of {', '.join(KEY_VIEWS)}")
     if view == "post_rope":
         return keys.float()
     if view == "end_relative":
-        positions = torch.full_like(positions, int(positions[-1]))
+        last = positions[-1] if positions.dim() == 1 else positions.max()
+        positions = torch.full_like(positions, int(last))
     tables = rotary_tables(model, positions, keys)
     if tables is None:
         return keys.float()

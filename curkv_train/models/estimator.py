@@ -111,7 +111,8 @@ class ValueEstimator(nn.Module):
         Args:
             keys: (L', batch, kv_heads, tokens, head_dim) keys in the estimator's key view.
             values: (L', batch, kv_heads, tokens, head_dim) values.
-            positions: (tokens,) absolute positions of the tokens.
+            positions: (tokens,) absolute positions of the tokens, or (batch, kv_heads, tokens)
+                when each head holds its own tokens (a compressed cache).
             end: sequence length so far (distance features are measured to it).
             layers: which layers' parameters to use (L' of them); all by default.
 
@@ -124,7 +125,10 @@ class ValueEstimator(nn.Module):
         hidden = torch.relu(hidden + self.value_in_bias[layers][:, None, :, None, :])
         value_term = torch.einsum("lbhnk,lhk->lbhn", hidden, self.value_out[layers])
         features = position_features(positions.to(keys.device), end, self.max_positions)
-        position_term = torch.einsum("nf,lhf->lhn", features, self.position_weight[layers])[:, None]
+        if features.dim() == 2:
+            position_term = torch.einsum("nf,lhf->lhn", features, self.position_weight[layers])[:, None]
+        else:
+            position_term = torch.einsum("bhnf,lhf->lbhn", features, self.position_weight[layers])
         return key_term + value_term + position_term + self.bias[layers][:, None, :, None]
 
     def score_layer(
