@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -52,10 +55,10 @@ def resolve_model_source(name_or_path: str, fallback: str | None = None) -> str:
         return name_or_path
     if name_or_path.startswith("embedded:"):
         return str(embedded_model_dir(name_or_path.removeprefix("embedded:")))
-    if os.path.sep in name_or_path or name_or_path.startswith("."):
-        if not Path(name_or_path).is_dir():
+    if name_or_path.startswith((os.path.sep, ".", "~")):
+        if not Path(name_or_path).expanduser().is_dir():
             raise CurKVError(f"model path {name_or_path!r} does not exist; pass a model folder or a hub id")
-        return name_or_path
+        return str(Path(name_or_path).expanduser())
     if Path(name_or_path).is_dir():
         return name_or_path
     if _hub_has(name_or_path):
@@ -69,10 +72,25 @@ def resolve_model_source(name_or_path: str, fallback: str | None = None) -> str:
     return resolve_model_source(fallback)
 
 
-def _hub_has(model_id: str) -> bool:
-    """Whether ``model_id``'s config can be loaded (from the local HF cache or the hub)."""
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model hub answers a TCP connection (False at once under HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname
     try:
-        AutoConfig.from_pretrained(model_id)
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_has(model_id: str) -> bool:
+    """Whether ``model_id``'s config can be loaded (from the local HF cache, or the hub if reachable)."""
+    try:
+        AutoConfig.from_pretrained(model_id, local_files_only=not hub_reachable())
     except Exception:  # offline, unknown id, gated: all mean "not usable here"
         return False
     return True
