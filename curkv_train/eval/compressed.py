@@ -1,0 +1,80 @@
+"""Compressed caches and the continuation that measures them.
+
+A compressed cache holds fewer tokens than the model has seen, so the continuation
+is run with explicit positions: RoPE positions continue from the true context
+length, cache positions (what the causal mask is built from) from the kept length.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from curkv_train.eval.prefill import Prefill
+from curkv_train.objective import compressible_mask, kept_count
+from curkv_train.runtime.selection import compress_kv, select_kept
+
+
+def cache_from_layers(model: PreTrainedModel, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+    """A DynamicCache whose layer l holds ``keys[l]``, ``values[l]`` (batch, kv_heads, kept, head_dim)."""
+    cache = DynamicCache(config=model.config)
+    for layer, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+        cache.update(layer_keys, layer_values, layer)
+    return cache
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes of the key and value tensors ``cache`` holds (what compression actually saves)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
+def kept_tokens(cache: DynamicCache) -> float:
+    """Mean tokens held per (layer, KV head)."""
+    return sum(layer.keys.shape[2] for layer in cache.layers) / len(cache.layers)
+
+
+def expected_kept(context_length: int, n_sink: int, window: int, keep_ratio: float) -> int:
+    """Tokens :func:`select_kept` keeps per (layer, KV head): sinks + window + ⌈ρ·n_compressible⌉."""
+    compressible = int(compressible_mask(context_length, n_sink, window).sum())
+    return context_length - compressible + kept_count(compressible, keep_ratio)
+
+
+def compress_prefill(model: PreTrainedModel, prefill: Prefill, scores: list[torch.Tensor] | None, *,
+                     n_sink: int, window: int, keep_ratio: float, backend: str = "auto") -> DynamicCache:
+    """The cache after the shared selection path.
+
+    Args:
+        prefill: the uncompressed context.
+        scores: per layer, (batch, kv_heads, tokens) keep scores; None keeps everything (full cache).
+        n_sink, window, keep_ratio: the selection's protected spans and ρ.
+    """
+    if scores is None or keep_ratio >= 1.0:
+        return cache_from_layers(model, prefill.keys, prefill.values)
+    kept_keys, kept_values = [], []
+    for layer_scores, keys, values in zip(scores, prefill.keys, prefill.values):
+        keep = select_kept(layer_scores, n_sink, window, keep_ratio)
+        layer_keys, layer_values = compress_kv(keys, values, keep, backend=backend)
+        kept_keys.append(layer_keys)
+        kept_values.append(layer_values)
+    return cache_from_layers(model, kept_keys, kept_values)
+
+
+@torch.no_grad()
+def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor,
+                        context_length: int) -> torch.Tensor:
+    """Logits (batch, M, vocab) float32 of ``continuation_ids`` (batch, M) after a (compressed) context.
+
+    ``cache`` is extended in place by the continuation; build a fresh one per run.
+    """
+    held = cache.get_seq_length()
+    count = continuation_ids.shape[1]
+    device = continuation_ids.device
+    output = model(
+        input_ids=continuation_ids,
+        past_key_values=cache,
+        use_cache=True,
+        position_ids=torch.arange(context_length, context_length + count, device=device)[None],
+        cache_position=torch.arange(held, held + count, device=device),
+    )
+    return output.logits.float()

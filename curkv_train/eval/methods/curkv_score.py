@@ -1,0 +1,28 @@
+"""``curkv``: the trained value estimator's keep logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from curkv_train.eval.context import LayerContext
+from curkv_train.runtime.scorer import Scorer
+
+
+@dataclass
+class CurKVScore:
+    """Scores from a trained :class:`~curkv_train.runtime.scorer.Scorer` (its own key view).
+
+    Parameters
+    ----------
+    scorer : Scorer
+        The exported estimator with the settings it was trained under.
+    """
+
+    scorer: Scorer
+    needs_queries = False
+
+    def __call__(self, ctx: LayerContext) -> torch.Tensor:
+        """(batch, kv_heads, tokens) float32 keep logits."""
+        return self.scorer.score_layer(ctx.model, ctx.layer, ctx.keys, ctx.values, ctx.positions)

@@ -1,0 +1,105 @@
+"""Per-token measures of a continuation and the task metrics built from their sums.
+
+The continuation's logits at position t predict its token t + 1, so a continuation of
+M tokens gives M − 1 scored predictions, and an answer span [start, end) (continuation
+coordinates, start ≥ 1) is predicted by the logits at [start − 1, end − 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Sums accumulated per (method, ratio, task[, tag]) over examples.
+SUM_KEYS = ("examples", "tokens", "nll", "kl", "answer_tokens", "answer_hits", "answer_nll", "answer_exact",
+            "kept_tokens", "context_tokens", "kv_bytes")
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood per prediction: logits (batch, M, vocab), targets (batch, M) -> (batch, M)."""
+    logp = logits.float().log_softmax(dim=-1)
+    return -logp.gather(-1, targets[..., None]).squeeze(-1)
+
+
+def token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_reference ‖ p) per prediction: (batch, M, vocab) twice -> (batch, M)."""
+    reference = reference_logits.float().log_softmax(dim=-1)
+    compressed = logits.float().log_softmax(dim=-1)
+    return (reference.exp() * (reference - compressed)).sum(dim=-1)
+
+
+def greedy_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(batch, M) bool: the argmax of logits (batch, M, vocab) equals the target (teacher-forced)."""
+    return logits.argmax(dim=-1) == targets
+
+
+def perplexity(nll_sum: float, count: float) -> float:
+    """exp(mean NLL); NaN without predictions."""
+    return math.exp(nll_sum / count) if count else float("nan")
+
+
+def continuation_sums(logits: torch.Tensor, reference_logits: torch.Tensor, continuation_ids: torch.Tensor,
+                      answer: tuple[int, int] | None) -> dict[str, float]:
+    """Sums of one example's measures.
+
+    Args:
+        logits: (batch, M, vocab) continuation logits under the compressed cache.
+        reference_logits: (batch, M, vocab) the same under the full cache.
+        continuation_ids: (batch, M) the continuation tokens.
+        answer: [start, end) answer span in continuation coordinates (start ≥ 1), or None.
+
+    Returns:
+        tokens / nll / kl over the M − 1 predictions; answer_tokens / answer_hits / answer_nll /
+        answer_exact (1 if every answer token is the argmax, per batch row) over the answer span.
+    """
+    predicted, targets = logits[:, :-1], continuation_ids[:, 1:]
+    nll = token_nll(predicted, targets)
+    sums = {"examples": float(targets.shape[0]), "tokens": float(targets.numel()), "nll": float(nll.sum()),
+            "kl": float(token_kl(reference_logits[:, :-1], predicted).sum())}
+    if answer is not None:
+        start, end = answer
+        if start < 1 or end <= start or end > continuation_ids.shape[1]:
+            raise ValueError(f"answer span [{start}, {end}) must lie in [1, {continuation_ids.shape[1]}]")
+        rows = slice(start - 1, end - 1)
+        hits = greedy_hits(predicted[:, rows], targets[:, rows])
+        sums.update(answer_tokens=float(hits.numel()), answer_hits=float(hits.sum()),
+                    answer_nll=float(nll[:, rows].sum()), answer_exact=float(hits.all(dim=-1).sum()))
+    return sums
+
+
+def add_sums(total: dict[str, float], sums: dict[str, float]) -> None:
+    """Accumulate ``sums`` into ``total`` in place."""
+    for key, value in sums.items():
+        total[key] = total.get(key, 0.0) + value
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
+def finalize(task_kind: str, sums: dict[str, float], full: dict[str, float] | None) -> dict[str, float]:
+    """Task metrics from accumulated ``sums`` (``full``: the full cache's sums of the same task, for % vs full).
+
+    ``task_kind``: ``ppl`` (perplexity, its increase over full %, KL), ``passkey`` (accuracy),
+    ``span`` (token accuracy and NLL of the answer span). Every kind also reports kl, the mean
+    kept tokens per (layer, KV head) and the KV bytes held.
+    """
+    metrics: dict[str, float] = {}
+    if task_kind == "ppl":
+        metrics["ppl"] = perplexity(sums.get("nll", 0.0), sums.get("tokens", 0.0))
+        if full is not None:
+            reference = perplexity(full.get("nll", 0.0), full.get("tokens", 0.0))
+            metrics["ppl_increase_pct"] = 100.0 * (metrics["ppl"] / reference - 1.0)
+    elif task_kind == "passkey":
+        metrics["accuracy"] = _ratio(sums.get("answer_exact", 0.0), sums.get("examples", 0.0))
+    elif task_kind == "span":
+        metrics["token_accuracy"] = _ratio(sums.get("answer_hits", 0.0), sums.get("answer_tokens", 0.0))
+        metrics["nll"] = _ratio(sums.get("answer_nll", 0.0), sums.get("answer_tokens", 0.0))
+    else:
+        raise ValueError(f"unknown task kind {task_kind!r}")
+    metrics["kl"] = _ratio(sums.get("kl", 0.0), sums.get("tokens", 0.0))
+    metrics["kept_tokens"] = _ratio(sums.get("kept_tokens", 0.0), sums.get("examples", 0.0))
+    metrics["context_tokens"] = _ratio(sums.get("context_tokens", 0.0), sums.get("examples", 0.0))
+    metrics["kv_bytes"] = _ratio(sums.get("kv_bytes", 0.0), sums.get("examples", 0.0))
+    return metrics

@@ -1,0 +1,86 @@
+"""Prefill capture and compressed-cache continuations on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from curkv_train.attention import CompressionState, patch_model
+from curkv_train.eval.compressed import (
+    cache_bytes,
+    cache_from_layers,
+    compress_prefill,
+    continuation_logits,
+    expected_kept,
+    kept_tokens,
+)
+from curkv_train.eval.methods import ExpectedAttentionScore, StreamingLLMScore
+from curkv_train.eval.prefill import prefill
+from curkv_train.models.base import TINY_RANDOM, load_base_model
+from curkv_train.models.capture import rotary_tables, rotate_half
+
+N_SINK, WINDOW, CONTEXT, CONTINUATION = 4, 8, 40, 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_base_model(TINY_RANDOM)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    generator = torch.Generator().manual_seed(3)
+    return torch.randint(0, 500, (1, CONTEXT + CONTINUATION), generator=generator)
+
+
+def test_keep_all_matches_a_plain_forward(model, ids):
+    context = prefill(model, ids[:, :CONTEXT])
+    logits = continuation_logits(model, cache_from_layers(model, context.keys, context.values), ids[:, CONTEXT:],
+                                 CONTEXT)
+    assert torch.allclose(logits, model(ids).logits[:, CONTEXT:], atol=1e-5)
+
+
+def test_compressed_cache_equals_masking_the_dropped_tokens(model, ids):
+    """Continuation over the compacted cache == full cache with the evicted keys masked (same positions)."""
+    context = prefill(model, ids[:, :CONTEXT], capture_queries=False)
+    scores = [StreamingLLMScore()(context.layer_context(layer, model=model, n_sink=N_SINK, window=WINDOW, seed=0))
+              for layer in range(context.num_layers)]
+    cache = compress_prefill(model, context, scores, n_sink=N_SINK, window=WINDOW, keep_ratio=0.25, backend="torch")
+    held = expected_kept(CONTEXT, N_SINK, WINDOW, 0.25)
+    assert held == 4 + 8 + 7 and kept_tokens(cache) == held
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert cache_bytes(cache) == 2 * config.num_hidden_layers * config.num_key_value_heads * held * head_dim * 4
+    compressed = continuation_logits(model, cache, ids[:, CONTEXT:], CONTEXT)
+
+    keep = list(range(N_SINK)) + list(range(CONTEXT - WINDOW - 7, CONTEXT))
+    mask = torch.zeros(1, 1, CONTINUATION, CONTEXT + CONTINUATION, dtype=torch.bool)
+    mask[..., keep] = True
+    mask[0, 0, :, CONTEXT:] = torch.ones(CONTINUATION, CONTINUATION, dtype=torch.bool).tril()
+    full = cache_from_layers(model, context.keys, context.values)
+    reference = model(input_ids=ids[:, CONTEXT:], past_key_values=full, attention_mask=mask).logits
+    assert torch.allclose(compressed, reference, atol=1e-5)
+    assert not torch.allclose(compressed, model(ids).logits[:, CONTEXT:], atol=1e-3)
+
+
+def test_captured_queries_reproduce_the_model_attention(model, ids):
+    """H2O's attention mass from the hooked queries == the curkv capture mode's (averaged over the group)."""
+    context = prefill(model, ids[:, :CONTEXT])
+    patched = patch_model(load_base_model(TINY_RANDOM))
+    state = CompressionState(mode="capture", context_length=CONTEXT)
+    patched.get_decoder()(input_ids=ids[:, :CONTEXT], curkv_state=state)
+    for layer in range(context.num_layers):
+        ctx = context.layer_context(layer, model=model, n_sink=N_SINK, window=WINDOW, seed=0)
+        assert torch.allclose(ctx.group_mean(ctx.attention_mass()), state.attention_mass[layer], atol=1e-4)
+
+
+def test_average_rotation_of_one_position_is_rope(model, ids):
+    context = prefill(model, ids[:, :CONTEXT])
+    ctx = context.layer_context(0, model=model, n_sink=N_SINK, window=WINDOW, seed=0)
+    query = torch.randn(16)
+    cos, sin = rotary_tables(model, torch.tensor([57]), ctx.keys)
+    assert torch.allclose(ctx.average_rotation(57, 1) @ query, query * cos[0] + rotate_half(query) * sin[0],
+                          atol=1e-6)
+    scores = ExpectedAttentionScore(n_sink=N_SINK, n_future_positions=16)(ctx)
+    assert scores.shape == (1, 2, CONTEXT) and torch.isfinite(scores).all()
+    assert (scores[..., :N_SINK] > scores[..., N_SINK:].amax(-1, keepdim=True)).all()
