@@ -61,8 +61,10 @@ def _dot(a, b, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -79,18 +81,19 @@ def _biased_logits(q, k, bias, offs_m, offs_n, M, N, scale,
 @triton.jit
 def _key_end(start_m, M, N, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """Exclusive end of the keys any query of the block starting at start_m can see."""
+    end = N
     if CAUSAL:
-        return tl.minimum(N, start_m + BLOCK_M + N - M)
-    return N
+        end = tl.minimum(N, start_m + BLOCK_M + N - M)
+    return end
 
 
 @triton.jit
 def _query_start(start_n, M, N, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """First query-block start that can see the key block starting at start_n."""
+    start = 0
     if CAUSAL:
-        first = tl.maximum(start_n - (N - M), 0)
-        return (first // BLOCK_M) * BLOCK_M
-    return 0
+        start = (tl.maximum(start_n - (N - M), 0) // BLOCK_M) * BLOCK_M
+    return start
 
 
 @triton.jit
