@@ -278,8 +278,8 @@ def _tuned(kernel_name: str):
     )(kernel)
 
 
-def _interpreter_block(size: int) -> int:
-    """Power-of-two block covering `size`, clamped to [MIN_BLOCK, INTERPRET_MAX_BLOCK]."""
+def _fixed_block(size: int) -> int:
+    """Fixed-block default: power of two covering `size` in [MIN_BLOCK, INTERPRET_MAX_BLOCK]."""
     return max(MIN_BLOCK, min(INTERPRET_MAX_BLOCK, triton.next_power_of_2(max(size, 1))))
 
 
@@ -293,8 +293,8 @@ def _launch(kernel_name: str, grid_rows: int, grid_heads: int, row_meta: str, ar
     kernel = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dbias": _dbias_kernel}[kernel_name]
     block_m, block_n = blocks
     if _interpreting() or block_m is not None or block_n is not None:
-        block_m = block_m or _interpreter_block(sizes[0])
-        block_n = block_n or _interpreter_block(sizes[1])
+        block_m = block_m or _fixed_block(sizes[0])
+        block_n = block_n or _fixed_block(sizes[1])
         fixed = {"BLOCK_M": block_m, "BLOCK_N": block_n}
         grid = (triton.cdiv(grid_rows, fixed[row_meta]), grid_heads)
         kernel[grid](*args, **meta, **fixed, num_warps=4, num_stages=2)
@@ -430,9 +430,9 @@ def _backward(ctx, grad_out):
 class _ScoredAttention(torch.autograd.Function):
     """Autograd wrapper: saves q, k, v, bias, the fp32 output and lse; grads for q and key_bias.
 
-    The fp32 output (B*Hq*M*d*4 bytes, kept only when a gradient is needed) makes
-    D = rowsum(dO * O) exact: with an fp16/bf16-rounded O the column sums that form the
-    key-bias gradient would inherit O's rounding (~1e-2 relative in bf16).
+    The fp32 output (B*Hq*M*d*4 bytes, kept only when a gradient is needed) keeps
+    D = rowsum(dO * O) free of the output's fp16/bf16 rounding, which otherwise dominates
+    the key-bias gradient error (measured ~4x larger in bf16 with a rounded O).
     """
 
     @staticmethod
