@@ -1,0 +1,404 @@
+"""CurKVCache: a transformers Cache that keeps what the trained estimator values (DESIGN §6).
+
+Per layer the cache holds, per (batch, KV head):
+
+- **sinks**: the first ``n_sink`` tokens, never evicted;
+- **hot**: the last ``hot_windows`` windows of ``window`` tokens (only the last window
+  with ``hot=False``), never evicted;
+- **warm**: older tokens the estimator kept (top-k by score), dense, at most
+  ⌈ρ·warm_windows·window⌉ of them when the cold tier is on;
+- **cold**: warm overflow, oldest first, held as CUR factors (+ sparse residual) per
+  block of at least ``cold_block`` tokens (:mod:`curkv_train.runtime.cur`).
+
+Compression runs after prefill and again each time ``window`` new tokens have
+arrived: the tokens that left the hot tier join the warm ones, are re-scored at the
+current length, and the top ones are kept so that the compressible tokens held
+(warm + cold) number ⌈ρ·n⌉ for the n compressible tokens seen so far (capped by
+``max_kept_tokens``). Cold blocks are formed once and never re-selected. Different
+heads keep different tokens but always the same count, so K and V stay dense
+(batch, kv_heads, kept, head_dim) tensors.
+
+Positions: ``get_seq_length`` reports the tokens *seen*, so generate's
+``cache_position`` and the RoPE positions of new tokens continue from them, while
+``get_mask_sizes`` reports the tokens *held* with an offset (as transformers' own
+sliding-window layers do), so attention runs over the held tokens. That is exact
+for batch 1 or unpadded batches; a left-padded batch would need its padding mask
+re-indexed and is not supported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from curkv_train.errors import CurKVError
+from curkv_train.objective import kept_count
+from curkv_train.runtime import cur
+from curkv_train.runtime.scorer import Scorer
+from curkv_train.runtime.selection import compress_kv, select_kept
+
+ADAPTIVE = "adaptive"
+ScoreFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def adaptive_keep_ratio(tokens: int) -> float:
+    """The seed's length-adaptive keep ratio: < 1K tokens 1.0 (no compression), 1K–4K 0.5, > 4K 0.3."""
+    if tokens < 1024:
+        return 1.0
+    return 0.5 if tokens <= 4096 else 0.3
+
+
+def check_cache_keep_ratio(keep_ratio: float | str) -> float | str:
+    """``keep_ratio`` if it is ``"adaptive"`` or a number in (0, 1], else a CurKVError."""
+    if keep_ratio == ADAPTIVE:
+        return keep_ratio
+    if isinstance(keep_ratio, str) or not 0.0 < float(keep_ratio) <= 1.0:
+        raise CurKVError(f"keep_ratio must be in (0, 1] or 'adaptive', got {keep_ratio!r} "
+                         "(compression ratio = 1 - keep_ratio)")
+    return float(keep_ratio)
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """What one cache layer keeps; see :class:`CurKVCache` for the meaning of each field."""
+
+    keep_ratio: float | str
+    n_sink: int
+    window: int
+    hot_tokens: int
+    warm_tokens: int
+    cold: bool
+    cold_block: int
+    cold_rows: int
+    cold_channels: int
+    cold_core: str
+    compensation: bool
+    compensation_ratio: float
+    max_kept_tokens: int | None
+    backend: str
+
+    def ratio(self, seen: int) -> float:
+        """The keep ratio ρ in force after ``seen`` tokens."""
+        return adaptive_keep_ratio(seen) if self.keep_ratio == ADAPTIVE else self.keep_ratio
+
+    def target(self, compressible_seen: int, seen: int) -> int:
+        """Compressible tokens to hold (warm + cold) after ``compressible_seen`` of them went by."""
+        count = kept_count(compressible_seen, self.ratio(seen))
+        return count if self.max_kept_tokens is None else min(count, self.max_kept_tokens)
+
+
+@dataclass
+class ColdBlock:
+    """Keys and values of a block of cold tokens as CUR factors, (batch, kv_heads, tokens, head_dim) each."""
+
+    keys: cur.CurFactors
+    values: cur.CurFactors
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per (batch, KV head) in the block."""
+        return self.keys.shape[-2]
+
+    def nbytes(self) -> int:
+        """Bytes held by both factorizations."""
+        return cur.nbytes(self.keys) + cur.nbytes(self.values)
+
+
+class CurKVLayer(CacheLayerMixin):
+    """One decoder layer's compressed cache.
+
+    Dense tensors hold [sinks | warm | hot] in that order: ``keys``/``values``
+    (batch, kv_heads, dense, head_dim) and ``positions`` (batch, kv_heads, dense), the
+    absolute position of each held token in the narrowest integer dtype. Cold blocks
+    sit in ``cold``. The attention of each step sees the cold blocks reconstructed
+    from their factors (a transient; the cache keeps only the factors) followed by the
+    dense tokens and the new ones.
+
+    Args:
+        layer_idx: decoder layer index (for the estimator's per-layer parameters).
+        settings: the tier settings shared by all layers.
+        score_fn: (layer, keys, values, positions, end) -> (batch, kv_heads, tokens) keep logits.
+    """
+
+    is_sliding = False
+
+    def __init__(self, layer_idx: int, settings: TierSettings, score_fn: ScoreFn) -> None:
+        super().__init__()
+        self.layer_idx, self.settings, self.score_fn = layer_idx, settings, score_fn
+        self.positions: torch.Tensor | None = None
+        self.cold: list[ColdBlock] = []
+        self.seen = self.compressible_seen = 0
+        self.n_sink_held = self.n_warm = self.n_hot = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty dense tensors shaped like the first keys/values."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.positions = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.int16, device=self.device)
+        self.is_initialized = True
+
+    @property
+    def cold_tokens(self) -> int:
+        """Tokens per (batch, KV head) held in cold blocks."""
+        return sum(block.tokens for block in self.cold)
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens per (batch, KV head) held in all tiers."""
+        return self.cold_tokens + (0 if self.keys is None else self.keys.shape[-2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new tokens, compress if due, and return what this step attends to.
+
+        Args:
+            key_states, value_states: (batch, kv_heads, new, head_dim) post-RoPE keys / values.
+
+        Returns:
+            (keys, values) (batch, kv_heads, held_before + new, head_dim): cold blocks
+            reconstructed, then the dense tokens held before this step, then the new ones.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._append(key_states, value_states)
+        keys, values = self.keys, self.values
+        if self.cold:
+            keys = torch.cat([cur.reconstruct(block.keys) for block in self.cold] + [keys], dim=-2)
+            values = torch.cat([cur.reconstruct(block.values) for block in self.cold] + [values], dim=-2)
+        if self._compression_due(key_states.shape[-2]):
+            self.compress()
+        return keys, values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Add new tokens to the dense tensors; the first ``n_sink`` ever seen become sinks, the rest hot."""
+        new = key_states.shape[-2]
+        dtype = cur.narrow_int_dtype(self.seen + new)
+        positions = torch.arange(self.seen, self.seen + new, device=self.device, dtype=dtype)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions.to(dtype), positions.expand(*key_states.shape[:2], new)], dim=-1)
+        self.seen += new
+        sinks = min(self.settings.n_sink, self.seen)
+        self.n_hot += new - (sinks - self.n_sink_held)
+        self.n_sink_held = sinks
+
+    def _compression_due(self, new: int) -> bool:
+        """After a multi-token step (prefill) with tokens past the hot tier, or once a full window has piled up."""
+        excess = self.n_hot - self.settings.hot_tokens
+        return excess > 0 and (new > 1 or excess >= self.settings.window)
+
+    @torch.no_grad()
+    def compress(self) -> None:
+        """Move tokens past the hot tier into warm, keep the top ones by score, spill warm overflow to cold."""
+        settings = self.settings
+        aged = self.n_hot - settings.hot_tokens
+        if aged <= 0:
+            return
+        self.compressible_seen += aged
+        self.n_hot = settings.hot_tokens
+        candidates = self.n_warm + aged
+        keep = max(0, settings.target(self.compressible_seen, self.seen) - self.cold_tokens)
+        if keep < candidates:
+            self._evict(candidates, keep)
+        self.n_warm = min(keep, candidates)
+        if settings.cold and settings.ratio(self.seen) < 1.0:
+            self._spill_to_cold()
+
+    def _evict(self, candidates: int, keep: int) -> None:
+        """Keep the ``keep`` best of the ``candidates`` warm tokens per head (select_kept + compress_kv)."""
+        start, stop = self.n_sink_held, self.n_sink_held + candidates
+        logits = self.score_fn(self.layer_idx, self.keys[..., start:stop, :], self.values[..., start:stop, :],
+                               self.positions[..., start:stop].long(), self.seen)
+        scores = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
+        scores[..., start:stop] = logits
+        # select_kept keeps ⌈ρ'·candidates⌉; ρ' = keep / candidates gives exactly ``keep``.
+        keep_idx = select_kept(scores, self.n_sink_held, self.n_hot, keep / candidates)
+        self.keys, self.values = compress_kv(self.keys, self.values, keep_idx, backend=self.settings.backend)
+        self.positions = self.positions.gather(-1, keep_idx)
+
+    def _spill_to_cold(self) -> None:
+        """Factor the oldest warm tokens beyond the warm capacity into a new cold block."""
+        settings = self.settings
+        capacity = kept_count(settings.warm_tokens, settings.ratio(self.seen))
+        overflow = self.n_warm - capacity
+        if overflow < settings.cold_block:
+            return
+        start, stop = self.n_sink_held, self.n_sink_held + overflow
+        self.cold.append(ColdBlock(self._factor(self.keys[..., start:stop, :]),
+                                   self._factor(self.values[..., start:stop, :])))
+        self.keys = torch.cat([self.keys[..., :start, :], self.keys[..., stop:, :]], dim=-2)
+        self.values = torch.cat([self.values[..., :start, :], self.values[..., stop:, :]], dim=-2)
+        self.positions = torch.cat([self.positions[..., :start], self.positions[..., stop:]], dim=-1)
+        self.n_warm -= overflow
+
+    def _factor(self, block: torch.Tensor) -> cur.CurFactors:
+        """CUR factors (+ residual when compensation is on) of a (batch, kv_heads, tokens, head_dim) block."""
+        settings = self.settings
+        factors = cur.cur_decompose(block, settings.cold_rows, settings.cold_channels, core=settings.cold_core)
+        if settings.compensation:
+            count = cur.residual_count(block.shape[-2], block.shape[-1], settings.compensation_ratio)
+            factors = cur.compensate(factors, block, count)
+        return factors
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        """(kv_length, kv_offset): held + new tokens, placed so the new ones sit at their true positions."""
+        held = self.held_tokens
+        return held + cache_position.shape[0], self.seen - held
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (not held): new positions continue from here."""
+        return self.seen
+
+    def get_max_cache_shape(self) -> int:
+        """No fixed maximum length."""
+        return -1
+
+    def nbytes(self) -> int:
+        """Bytes held: dense K/V, positions and every cold factor."""
+        dense = [t for t in (self.keys, self.values, self.positions) if t is not None]
+        return sum(t.numel() * t.element_size() for t in dense) + sum(block.nbytes() for block in self.cold)
+
+    def crop(self, max_length: int) -> None:
+        """Drop tokens past ``max_length``; only possible before anything was compressed."""
+        if max_length < 0:
+            max_length = self.seen + max_length
+        if max_length >= self.seen:
+            return
+        if self.compressible_seen or self.cold:
+            raise CurKVError("a CurKVCache cannot be cropped after it compressed tokens; "
+                             "use a fresh cache (assisted generation and cache rollback are not supported)")
+        self.keys, self.values = self.keys[..., :max_length, :], self.values[..., :max_length, :]
+        self.positions = self.positions[..., :max_length]
+        self.seen = max_length
+        self.n_sink_held = min(self.settings.n_sink, max_length)
+        self.n_hot = max_length - self.n_sink_held
+
+    def reset(self) -> None:
+        """Forget everything held."""
+        self.__init__(self.layer_idx, self.settings, self.score_fn)
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-dimension operation to every held tensor."""
+        if not self.is_initialized:
+            return
+        self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+        self.cold = [ColdBlock(block.keys.map(fn), block.values.map(fn)) for block in self.cold]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch for beam search."""
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch entry ``repeats`` times."""
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch entries ``indices``."""
+        self._map_batch(lambda t: t[indices])
+
+
+class CurKVCache(Cache):
+    """A transformers Cache compressed by a trained value estimator, with hot / warm / cold tiers.
+
+    Use it as ``model.generate(ids, past_key_values=CurKVCache(scorer, model=model))``.
+
+    Args:
+        scorer: a :class:`Scorer` or the path of an exported scorer folder.
+        model: the base model (for its rotary tables and shapes).
+        keep_ratio: ρ, the share of compressible tokens kept, in (0, 1]; or ``"adaptive"``:
+            1.0 below 1K tokens seen, 0.5 up to 4K, 0.3 beyond.
+        n_sink, window: always-kept leading tokens and the window unit; default the scorer's.
+        hot: protect the last ``hot_windows`` windows; off = only the last window.
+        hot_windows: size of the hot tier in windows.
+        warm: hold up to ⌈ρ·warm_windows·window⌉ kept tokens densely before they go cold;
+            off = kept tokens go straight to the cold tier. Matters only with ``cold`` on:
+            without a cold tier every kept token stays dense.
+        warm_windows: size of the warm tier's span in windows.
+        cold: factor warm overflow into CUR blocks (not while ρ = 1).
+        cold_block: least tokens per cold block (default 4 windows).
+        cold_rows, cold_channels: CUR ranks r (tokens) and c (channels); default head_dim // 2.
+        cold_core: ``optimal`` or ``intersection`` (see :mod:`curkv_train.runtime.cur`).
+        compensation: keep the largest entries of each cold block's CUR residual.
+        compensation_ratio: share of a block's entries kept as residual.
+        max_kept_tokens: cap on compressible tokens held per (layer, KV head); with it the
+            cache holds at most n_sink + hot + window + max_kept_tokens tokens however long
+            generation runs (without it, ρ of the tokens seen).
+        backend: compaction kernel backend (auto, torch, triton).
+    """
+
+    def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
+                 keep_ratio: float | str = ADAPTIVE, *, n_sink: int | None = None, window: int | None = None,
+                 hot: bool = True, hot_windows: int = 3, warm: bool = True, warm_windows: int = 10,
+                 cold: bool = True, cold_block: int | None = None, cold_rows: int | None = None,
+                 cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
+                 compensation_ratio: float = 0.05, max_kept_tokens: int | None = None,
+                 backend: str = "auto") -> None:
+        if not isinstance(scorer, Scorer):
+            from curkv_train.runtime.serialization import load_scorer
+
+            scorer = load_scorer(scorer, model=model)
+        self.scorer, self.model = scorer, model
+        self.settings = self._settings(locals())
+        layers = [CurKVLayer(index, self.settings, self._score) for index in range(scorer.estimator.num_layers)]
+        super().__init__(layers=layers)
+
+    def _settings(self, args: dict) -> TierSettings:
+        """Validate the constructor arguments into TierSettings."""
+        scorer, config = args["scorer"], self.model.config.get_text_config(decoder=True)
+        estimator = scorer.estimator
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if (estimator.num_layers, estimator.num_kv_heads) != (config.num_hidden_layers, kv_heads):
+            raise CurKVError(f"scorer is for {estimator.num_layers} layers × {estimator.num_kv_heads} KV heads, "
+                             f"the model has {config.num_hidden_layers} × {kv_heads}; load the matching scorer")
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise CurKVError(f"CurKVCache supports full-attention layers only, the model has {sorted(layer_types)}")
+        window = scorer.window if args["window"] is None else args["window"]
+        n_sink = scorer.n_sink if args["n_sink"] is None else args["n_sink"]
+        if window < 1 or n_sink < 0 or args["hot_windows"] < 1 or args["warm_windows"] < 0:
+            raise CurKVError(f"need window >= 1, n_sink >= 0, hot_windows >= 1, warm_windows >= 0; got {window}, "
+                             f"{n_sink}, {args['hot_windows']}, {args['warm_windows']}")
+        if not 0.0 <= args["compensation_ratio"] <= 1.0:
+            raise CurKVError(f"compensation_ratio must be in [0, 1], got {args['compensation_ratio']}")
+        if args["cold_core"] not in cur.CORES:
+            raise CurKVError(f"unknown cold_core {args['cold_core']!r}; expected one of {', '.join(cur.CORES)}")
+        half = max(1, estimator.head_dim // 2)
+        return TierSettings(
+            keep_ratio=check_cache_keep_ratio(args["keep_ratio"]), n_sink=n_sink, window=window,
+            hot_tokens=window * (args["hot_windows"] if args["hot"] else 1),
+            warm_tokens=window * args["warm_windows"] if args["warm"] else 0, cold=args["cold"],
+            cold_block=args["cold_block"] or 4 * window, cold_rows=args["cold_rows"] or half,
+            cold_channels=args["cold_channels"] or half, cold_core=args["cold_core"],
+            compensation=args["compensation"], compensation_ratio=args["compensation_ratio"],
+            max_kept_tokens=args["max_kept_tokens"], backend=args["backend"])
+
+    def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               end: int) -> torch.Tensor:
+        """Estimator logits (batch, kv_heads, tokens) for held tokens at per-head ``positions``."""
+        return self.scorer.score_layer(self.model, layer, keys, values, positions, end=end)
+
+    def nbytes(self) -> int:
+        """Bytes actually held by the cache: K/V, CUR factors, residuals and position bookkeeping."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def held_tokens(self, layer_idx: int = 0) -> int:
+        """Tokens held per (batch, KV head) in layer ``layer_idx`` (all tiers)."""
+        return self.layers[layer_idx].held_tokens
+
+    def tier_sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        """Tokens per (batch, KV head) in each tier of layer ``layer_idx``, and the tokens seen."""
+        layer = self.layers[layer_idx]
+        return {"seen": layer.seen, "sink": layer.n_sink_held, "hot": layer.n_hot, "warm": layer.n_warm,
+                "cold": layer.cold_tokens}
+
+    def token_bound(self, layer_idx: int = 0) -> int:
+        """Most tokens layer ``layer_idx`` may hold per (batch, KV head) at its current length."""
+        layer, settings = self.layers[layer_idx], self.settings
+        pending = settings.hot_tokens + settings.window - 1
+        return settings.n_sink + pending + settings.target(layer.compressible_seen, layer.seen)

@@ -1,0 +1,195 @@
+"""CurKVCache on the tiny random Llama: exactness at ρ = 1, bytes held, bounded decoding, tiers."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from curkv_train.errors import CurKVError
+from curkv_train.models.base import TINY_RANDOM, load_base_model
+from curkv_train.models.estimator import ValueEstimator
+from curkv_train.runtime import CurKVCache, Scorer
+
+WINDOW, N_SINK = 16, 4
+TIERS_OFF = {"hot": False, "cold": False}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    torch.manual_seed(0)
+    estimator = ValueEstimator(2, 2, 16, max_positions=2048)
+    with torch.no_grad():
+        estimator.key_weight.normal_()
+        estimator.position_weight.normal_()
+    return Scorer(estimator, n_sink=N_SINK, window=WINDOW)
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids: torch.Tensor, cache=None, new: int = 40) -> torch.Tensor:
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          past_key_values=cache, pad_token_id=0, eos_token_id=None)
+
+
+def held_tensor_bytes(cache: CurKVCache) -> int:
+    """Bytes of every tensor the cache's layers reference, counted independently of nbytes()."""
+    total = 0
+    for layer in cache.layers:
+        tensors = [layer.keys, layer.values, layer.positions]
+        tensors += [t for block in layer.cold for t in block.keys.tensors() + block.values.tensors()]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(model):
+    return greedy(model, prompt(150))
+
+
+@pytest.mark.parametrize("options", [TIERS_OFF, {}, {"keep_ratio": "adaptive"}])
+def test_keep_ratio_one_generates_like_plain_cache(model, scorer, plain_tokens, options):
+    ids = prompt(150)
+    settings = {"keep_ratio": 1.0, "backend": "torch", **options}
+    cache = CurKVCache(scorer, model=model, **settings)
+    assert torch.equal(greedy(model, ids, cache), plain_tokens)
+    assert cache.held_tokens(0) == cache.get_seq_length() == 150 + 39
+    assert cache.layers[0].compressible_seen > 0  # recompression ran and evicted nothing
+
+
+def test_half_keep_after_prefill_holds_at_most_52_percent(model, scorer):
+    ids = prompt(1024)
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=full)
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
+        model(ids, past_key_values=cache)
+    full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
+    kept = N_SINK + WINDOW + (1024 - N_SINK - WINDOW + 1) // 2
+    for layer in cache.layers:
+        assert layer.keys.shape == (1, 2, kept, 16) and layer.values.shape == (1, 2, kept, 16)
+        assert layer.positions.shape == (1, 2, kept)
+    assert cache.nbytes() == held_tensor_bytes(cache)
+    assert cache.nbytes() <= 0.52 * full_bytes
+    assert cache.get_seq_length() == 1024
+
+
+def test_heads_keep_different_tokens_but_sinks_and_window_always(model, scorer):
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.3, backend="torch", **TIERS_OFF)
+    with torch.no_grad():
+        model(prompt(400), past_key_values=cache)
+    positions = cache.layers[0].positions.long()[0]
+    assert not torch.equal(positions[0], positions[1])
+    for head in positions:
+        assert head[:N_SINK].tolist() == list(range(N_SINK))
+        assert head[-WINDOW:].tolist() == list(range(400 - WINDOW, 400))
+        assert torch.all(head[1:] > head[:-1])
+
+
+def test_attention_runs_over_held_tokens_at_true_positions(model, scorer):
+    """A compressed CurKVCache gives the logits of a plain cache holding the same tokens, positions continued."""
+    ids, chunk = prompt(300), prompt(5, seed=1)
+    for implementation in ("sdpa", "eager"):
+        model.set_attn_implementation(implementation)
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            reference = DynamicCache(config=model.config)
+            for index, layer in enumerate(cache.layers):
+                reference.update(layer.keys.clone(), layer.values.clone(), index)
+            positions = torch.arange(300, 305)[None]
+            expected = model(chunk, past_key_values=reference, position_ids=positions).logits
+            actual = model(chunk, past_key_values=cache, attention_mask=torch.ones(1, 305, dtype=torch.long)).logits
+        torch.testing.assert_close(actual, expected)
+    model.set_attn_implementation("sdpa")
+
+
+def test_decoding_recompresses_and_stays_within_bound(model, scorer):
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
+    with torch.no_grad():
+        output = model(prompt(200), past_key_values=cache)
+        token = output.logits[:, -1:].argmax(-1)
+        sizes = []
+        for _ in range(4 * WINDOW):
+            output = model(token, past_key_values=cache)
+            token = output.logits[:, -1:].argmax(-1)
+            for index in range(len(cache.layers)):
+                assert cache.held_tokens(index) <= cache.token_bound(index)
+            sizes.append(cache.held_tokens(0))
+    assert cache.get_seq_length() == 200 + 4 * WINDOW
+    assert cache.tier_sizes(0)["hot"] < 2 * WINDOW  # recompressed every window
+    assert max(sizes) < 200 + 4 * WINDOW
+    assert cache.layers[0].compressible_seen == 200 + 4 * WINDOW - N_SINK - cache.tier_sizes(0)["hot"]
+
+
+def test_max_kept_tokens_bounds_memory_for_long_generation(model, scorer):
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, max_kept_tokens=40, backend="torch")
+    greedy(model, prompt(120), cache, new=6 * WINDOW)
+    bound = N_SINK + 3 * WINDOW + WINDOW - 1 + 40
+    for index in range(len(cache.layers)):
+        assert cache.held_tokens(index) <= bound
+        assert cache.token_bound(index) == bound
+
+
+def test_tiers_hold_fewer_bytes_and_still_generate(model, scorer):
+    ids = prompt(500)
+    plain = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", cold=False)
+    tiered = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    greedy(model, ids, plain, new=2 * WINDOW)
+    tokens = greedy(model, ids, tiered, new=2 * WINDOW)
+    assert tokens.shape == (1, 500 + 2 * WINDOW)
+    sizes = tiered.tier_sizes(0)
+    assert sizes["cold"] > 0 and sizes["hot"] >= 3 * WINDOW
+    assert tiered.held_tokens(0) == plain.held_tokens(0)
+    assert tiered.nbytes() == held_tensor_bytes(tiered) < plain.nbytes()
+
+
+def test_compensation_and_warm_switches(model, scorer):
+    ids = prompt(500)
+    held = {}
+    for name, options in {"all": {}, "no_comp": {"compensation": False}, "no_warm": {"warm": False}}.items():
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **options)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        held[name] = (cache.nbytes(), cache.tier_sizes(0))
+    assert held["no_comp"][0] < held["all"][0]
+    assert held["no_warm"][1]["warm"] == 0 and held["no_warm"][1]["cold"] > held["all"][1]["cold"]
+
+
+def test_triton_backend_compacts_like_torch(model, scorer):
+    ids = prompt(120)
+    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, backend=b, **TIERS_OFF) for b in ("torch", "auto")]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, past_key_values=cache)
+    assert torch.equal(caches[0].layers[1].keys, caches[1].layers[1].keys)
+
+
+@pytest.mark.parametrize("keep_ratio", [0.0, -0.1, 1.5, "fast"])
+def test_keep_ratio_outside_range_is_a_user_error(model, scorer, keep_ratio):
+    with pytest.raises(CurKVError, match="keep_ratio"):
+        CurKVCache(scorer, model=model, keep_ratio=keep_ratio)
+
+
+def test_scorer_for_other_shapes_is_rejected(model):
+    with pytest.raises(CurKVError, match="KV heads"):
+        CurKVCache(Scorer(ValueEstimator(3, 2, 16)), model=model)
+
+
+def test_crop_after_compression_is_rejected(model, scorer):
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    with torch.no_grad():
+        model(prompt(200), past_key_values=cache)
+    with pytest.raises(CurKVError, match="cropped"):
+        cache.crop(100)
+
+
+def test_adaptive_keep_ratio_thresholds():
+    from curkv_train.runtime.cache import adaptive_keep_ratio
+
+    assert [adaptive_keep_ratio(n) for n in (10, 1023, 1024, 4096, 4097)] == [1.0, 1.0, 0.5, 0.5, 0.3]
