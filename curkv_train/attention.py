@@ -67,13 +67,20 @@ def curkv_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention for one layer; query (B, Hq, M, d), key/value (B, Hkv, N, d) -> (B, M, Hq, d)."""
     state = curkv_state
-    if state is None or state.mode == "full":
+    full = state is None or state.mode == "full"
+    if full and (attention_mask is not None or query.shape[2] == key.shape[2]):
+        # A square causal block or an explicit mask: SDPA reads both correctly.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask is not None:
         raise CurKVError("curkv attention does not support padded batches; use equal-length examples")
     layer = module.layer_idx
     batch, kv_heads, num_keys = key.shape[0], key.shape[1], key.shape[2]
     bias = torch.zeros(batch, kv_heads, num_keys, dtype=torch.float32, device=key.device)
+    if full:
+        # transformers passes mask=None for queries over a cache and relies on is_causal,
+        # which SDPA aligns top-left; the continuation needs bottom-right alignment.
+        out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=_backend(state))
+        return out.transpose(1, 2).contiguous(), None
     if state.mode == "scored":
         context_bias = state.key_bias[layer]
         bias = torch.cat([context_bias.to(key.device), bias[..., context_bias.shape[-1] :]], dim=-1)
@@ -85,6 +92,10 @@ def curkv_attention_forward(
     out = torch.einsum("bhgmn,bhnd->bhgmd", probs, value.float())
     out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1]).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _backend(state: CompressionState | None) -> str:
+    return "auto" if state is None else state.backend
 
 
 def register_attention() -> str:
