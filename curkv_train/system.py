@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from curkv_train.attention import CompressionState, patch_model
+from curkv_train.distributed import clip_grad_norm, prepare_rank_zero_loading
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import BACKENDS
 from curkv_train.models.base import load_base_model
@@ -16,6 +17,7 @@ from curkv_train.models.estimator import ValueEstimator
 from curkv_train.objective import BudgetController, chunked_kl, compressible_mask, keep_bias
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BASE_INITS = ("every_rank", "rank_zero")
 
 
 def check_keep_ratio(keep_ratio: float) -> float:
@@ -50,6 +52,11 @@ class CurKVModule(L.LightningModule):
         hidden_divisor: the estimator's value MLP is d -> d / hidden_divisor -> 1.
         init_keep: the estimator's initial keep score.
         learning_rate, weight_decay: AdamW settings.
+        base_init: every_rank (each process reads the base weights) or rank_zero (only global
+            rank 0 reads them, the others build the base on the meta device and FSDP broadcasts
+            rank 0's weights while sharding; FSDP only).
+        init_scorer: an exported scorer folder (``checkpoints/NAME``) whose weights start the
+            estimator (curriculum fine-tuning); its base-model fingerprint must match.
     """
 
     def __init__(self, base_model: str = "tiny-random-llama", base_fallback: str | None = None,
@@ -58,7 +65,8 @@ class CurKVModule(L.LightningModule):
                  budget_weight: float = 0.4, dual_lr: float = 0.05, hidden_mse_weight: float = 0.0,
                  kl_chunk_size: int = 64, key_view: str = "pre_rope", backend: str = "auto",
                  hidden_divisor: int = 4, init_keep: float = 0.5, learning_rate: float = 1e-3,
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, base_init: str = "every_rank",
+                 init_scorer: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_keep_ratio(keep_ratio)
@@ -68,6 +76,8 @@ class CurKVModule(L.LightningModule):
             raise CurKVError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         if base_dtype not in DTYPES:
             raise CurKVError(f"unknown base_dtype {base_dtype!r}; expected one of {', '.join(DTYPES)}")
+        if base_init not in BASE_INITS:
+            raise CurKVError(f"unknown base_init {base_init!r}; expected one of {', '.join(BASE_INITS)}")
         self.keep_ratio, self.temperature, self.hard_topk = keep_ratio, temperature, hard_topk
         self.budget_weight = budget_weight
         self.warm_start = False  # set by the curriculum's stage 0
@@ -82,13 +92,45 @@ class CurKVModule(L.LightningModule):
         if self.base is not None:
             return
         hp = self.hparams
-        self.base = patch_model(load_base_model(hp.base_model, fallback=hp.base_fallback, dtype=DTYPES[hp.base_dtype]))
+        self.base = patch_model(self.load_base())
+        # The frozen base is identical on every rank: DDP need not broadcast it (only estimator grads are reduced).
+        self._ddp_params_and_buffers_to_ignore = [f"base.{name}" for name, _ in self.base.named_parameters()]
+        self._ddp_params_and_buffers_to_ignore += [f"base.{name}" for name, _ in self.base.named_buffers()]
         config = self.base.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
         self.estimator = ValueEstimator(layers, kv_heads, head_dim, hidden_divisor=hp.hidden_divisor,
                                         max_positions=config.max_position_embeddings, init_keep=hp.init_keep)
         self.budget = BudgetController(layers, kv_heads, mode=hp.budget_mode, dual_lr=hp.dual_lr)
+        if hp.init_scorer:
+            self.load_init_scorer(hp.init_scorer)
+
+    def load_base(self):
+        """The frozen base per ``base_init``: loaded here, or (rank_zero, rank > 0) an empty meta skeleton."""
+        hp = self.hparams
+        dtype = DTYPES[hp.base_dtype]
+        if hp.base_init == "rank_zero" and self._trainer is not None:
+            prepare_rank_zero_loading(self.trainer.strategy)
+            if self.global_rank != 0:
+                from curkv_train.models.configs import build_meta_model, load_model_config
+
+                return build_meta_model(load_model_config(hp.base_model), dtype=dtype)
+        return load_base_model(hp.base_model, fallback=hp.base_fallback, dtype=dtype)
+
+    def load_init_scorer(self, path: str) -> None:
+        """Start the estimator from an exported scorer (its base fingerprint must match this base)."""
+        from curkv_train.runtime import load_scorer
+
+        scorer = load_scorer(path, model=self.base)
+        if scorer.estimator.config() != self.estimator.config():
+            raise CurKVError(f"scorer {path} has estimator {scorer.estimator.config()}, this run builds "
+                             f"{self.estimator.config()}; match model.hidden_divisor / init_keep or drop init_scorer")
+        if scorer.key_view != self.hparams.key_view:
+            raise CurKVError(f"scorer {path} was trained on {scorer.key_view} keys, this run uses "
+                             f"{self.hparams.key_view}; set model.key_view: {scorer.key_view}")
+        with torch.no_grad():
+            for name, tensor in scorer.estimator.state_dict().items():
+                self.estimator.state_dict()[name].copy_(tensor)
 
     def teacher_pass(self, input_ids: torch.Tensor, context_length: int, capture_attention: bool = False):
         """Prefill the context and run the full-cache teacher over the continuation, no grad.
@@ -193,6 +235,13 @@ class CurKVModule(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.estimator.parameters(), lr=self.hparams.learning_rate,
                                  weight_decay=self.hparams.weight_decay)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping; under FSDP by the global norm over shards (Lightning leaves that to us)."""
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and clip_grad_norm(
+                self.trainer.strategy, gradient_clip_val):
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep only the estimator and budget state: the base model is frozen and reloadable."""
