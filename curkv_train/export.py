@@ -1,0 +1,184 @@
+"""``curkv-train export``: turn a training checkpoint into a runtime scorer folder.
+
+    curkv-train export --ckpt runs/.../checkpoints/last.ckpt --out checkpoints/NAME
+
+writes ``NAME/scorer.safetensors`` and ``NAME/scorer.json`` (see
+:mod:`curkv_train.runtime.serialization`), recording the base model's fingerprint,
+the estimator's architecture and settings, the run's resolved config and the
+metrics its logs hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import yaml
+from jsonargparse import CLI
+from transformers import AutoConfig, PretrainedConfig
+
+from curkv_train.errors import CurKVError
+from curkv_train.models.base import TINY_RANDOM, resolve_model_source, tiny_llama_config
+from curkv_train.models.estimator import ValueEstimator
+from curkv_train.runtime.scorer import Scorer
+from curkv_train.runtime.serialization import model_fingerprint, save_scorer
+
+log = logging.getLogger(__name__)
+
+ESTIMATOR_PREFIX = "estimator."
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The Lightning checkpoint at ``path``, on CPU; a missing or unreadable file is a CurKVError."""
+    if not path.is_file():
+        raise CurKVError(f"checkpoint {path} does not exist; pass the .ckpt of a `curkv-train fit` run")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for a file that is not a checkpoint
+        raise CurKVError(f"cannot read checkpoint {path}: {str(error).splitlines()[0]}") from None
+    if "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
+        raise CurKVError(f"{path} is not a curkv-train checkpoint (no state_dict / hyper_parameters)")
+    return checkpoint
+
+
+def base_config(name: str, fallback: str | None = None) -> PretrainedConfig:
+    """The base model's config by hub id, local folder, ``embedded:NAME`` or ``tiny-random-llama``."""
+    source = resolve_model_source(name, fallback)
+    if source == TINY_RANDOM:
+        return tiny_llama_config()
+    return AutoConfig.from_pretrained(source)
+
+
+def build_estimator(checkpoint: dict, config: PretrainedConfig) -> ValueEstimator:
+    """The checkpoint's estimator, shaped for ``config`` as CurKVModule.configure_model builds it."""
+    hp = checkpoint["hyper_parameters"]
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    estimator = ValueEstimator(text.num_hidden_layers, text.num_key_value_heads, head_dim,
+                               hidden_divisor=hp.get("hidden_divisor", 4),
+                               max_positions=text.max_position_embeddings, init_keep=hp.get("init_keep", 0.5))
+    state = {key.removeprefix(ESTIMATOR_PREFIX): value for key, value in checkpoint["state_dict"].items()
+             if key.startswith(ESTIMATOR_PREFIX)}
+    if not state:
+        raise CurKVError("the checkpoint holds no estimator.* weights; was it written by `curkv-train fit`?")
+    expected = {name: tuple(tensor.shape) for name, tensor in estimator.state_dict().items()}
+    found = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    if expected != found:
+        raise CurKVError(f"checkpoint estimator shapes {found} do not match base model "
+                         f"{hp.get('base_model')!r} ({expected}); pass --base_model with the model it was trained on")
+    estimator.load_state_dict(state)
+    return estimator.eval().requires_grad_(False)
+
+
+def run_dir(ckpt: Path) -> Path:
+    """The run's version folder: the parent of ``checkpoints/`` when the ckpt sits in one."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
+def run_config(ckpt: Path) -> tuple[dict | None, str | None]:
+    """The resolved config LightningCLI saved for the run (config.yaml beside the version folder), and its path."""
+    for folder in (run_dir(ckpt), ckpt.parent):
+        path = folder / "config.yaml"
+        if path.is_file():
+            return yaml.safe_load(path.read_text()), str(path)
+    log.warning("no config.yaml found near %s; the export records hyper-parameters only", ckpt)
+    return None, None
+
+
+def _number(value) -> float | None:
+    """A plain float for a tensor or number, None otherwise."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def checkpoint_metrics(checkpoint: dict) -> dict:
+    """ModelCheckpoint scores recorded in the checkpoint's callback states."""
+    found = {}
+    for name, state in (checkpoint.get("callbacks") or {}).items():
+        if isinstance(state, dict) and "best_model_score" in state:
+            found[name] = {"monitor": state.get("monitor"), "best_model_score": _number(state.get("best_model_score")),
+                           "current_score": _number(state.get("current_score")),
+                           "best_model_path": state.get("best_model_path")}
+    return found
+
+
+def logged_metrics(folder: Path) -> dict:
+    """Last value and step of every scalar in the run's TensorBoard event files ({} without any)."""
+    if not any(folder.glob("events.out.tfevents.*")):
+        return {}
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        log.warning("tensorboard is not installed; the export records no logged metrics")
+        return {}
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    last = {}
+    for tag in events.Tags().get("scalars", []):
+        event = events.Scalars(tag)[-1]
+        last[tag] = {"step": event.step, "value": event.value}
+    return last
+
+
+def run_metrics(ckpt: Path, checkpoint: dict) -> dict:
+    """Training and validation metrics: logged scalars split by prefix, plus checkpoint callback scores."""
+    logged = logged_metrics(run_dir(ckpt))
+    return {
+        "training": {tag: value for tag, value in logged.items() if tag.startswith("train")},
+        "validation": {tag: value for tag, value in logged.items() if tag.startswith("val")},
+        "other": {tag: value for tag, value in logged.items() if not tag.startswith(("train", "val"))},
+        "checkpoint_callbacks": checkpoint_metrics(checkpoint),
+        "source": str(run_dir(ckpt)) if logged else None,
+    }
+
+
+def training_record(ckpt: Path, checkpoint: dict) -> dict:
+    """What the run was: hyper-parameters, data settings, resolved config, progress."""
+    config, config_path = run_config(ckpt)
+    clean = lambda hp: {k: v for k, v in (hp or {}).items() if not k.startswith("_")}  # noqa: E731
+    return {
+        "checkpoint": str(ckpt),
+        "hyper_parameters": clean(checkpoint["hyper_parameters"]),
+        "datamodule_hyper_parameters": clean(checkpoint.get("datamodule_hyper_parameters")),
+        "config": config,
+        "config_file": config_path,
+        "global_step": checkpoint.get("global_step"),
+        "epoch": checkpoint.get("epoch"),
+        "lightning_version": checkpoint.get("pytorch-lightning_version"),
+    }
+
+
+def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool = False) -> Path:
+    """Export a training checkpoint as a runtime scorer folder (scorer.safetensors + scorer.json).
+
+    Args:
+        ckpt: Lightning checkpoint of a `curkv-train fit` run, e.g. runs/NAME/lightning_logs/version_0/checkpoints/last.ckpt.
+        out: folder to write, e.g. checkpoints/NAME.
+        base_model: read the base model's config from here (hub id or local folder) instead of the
+            checkpoint's base_model, e.g. when the hub is unreachable.
+        overwrite: replace an existing output folder.
+
+    Returns:
+        The folder written.
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    checkpoint = read_checkpoint(ckpt)
+    hp = checkpoint["hyper_parameters"]
+    model_id = hp.get("base_model")
+    config = base_config(base_model or model_id, None if base_model else hp.get("base_fallback"))
+    scorer = Scorer(build_estimator(checkpoint, config), key_view=hp.get("key_view", "pre_rope"),
+                    n_sink=hp.get("n_sink", 4), window=hp.get("window", 64),
+                    keep_ratio=hp.get("keep_ratio", 0.5), temperature=hp.get("temperature", 1.0))
+    extra = {"name": out.name, "training": training_record(ckpt, checkpoint), "metrics": run_metrics(ckpt, checkpoint)}
+    written = save_scorer(scorer, out, base_model=model_id, fingerprint=model_fingerprint(config), extra=extra,
+                          overwrite=overwrite)
+    print(f"exported {ckpt} -> {written}")
+    return written
+
+
+def main(args: list[str]) -> int:
+    """``curkv-train export`` entry point: flags from :func:`export`'s signature."""
+    CLI(export, args=args, as_positional=False, prog="curkv-train export")
+    return 0

@@ -1,0 +1,240 @@
+"""Scorer folders on disk: ``scorer.safetensors`` (weights) + ``scorer.json`` (everything else).
+
+``scorer.json`` records the format version, the base model and a fingerprint of its
+architecture, the estimator's constructor arguments, the settings it was trained
+under (key view, sinks, window, temperature, keep ratio), the training recipe and
+metrics, and the sha256 of the weights file. :func:`load_scorer` checks all of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PretrainedConfig, PreTrainedModel
+
+from curkv_train.errors import CurKVError
+from curkv_train.models.estimator import ValueEstimator
+from curkv_train.runtime.scorer import Scorer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "scorer.safetensors"
+CONFIG_FILE = "scorer.json"
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+SCORER_SETTINGS = ("key_view", "n_sink", "window", "temperature", "keep_ratio")
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` with tensors, paths and other objects turned into JSON-safe values."""
+    return json.loads(json.dumps(value, default=lambda v: v.tolist() if isinstance(v, torch.Tensor) else str(v)))
+
+
+def model_fingerprint(config: PretrainedConfig) -> dict:
+    """What a scorer depends on in a base model's config: shapes, RoPE settings, vocabulary, positions.
+
+    Args:
+        config: the base model's config (its text config is used for multimodal models).
+
+    Returns:
+        A JSON-safe dict; two models a scorer can serve have equal fingerprints.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    fingerprint = {
+        "model_type": text.model_type,
+        "num_hidden_layers": text.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+    }
+    for name in ROPE_FIELDS:
+        if getattr(text, name, None) is not None:
+            fingerprint[name] = getattr(text, name)
+    return _jsonable(fingerprint)
+
+
+def fingerprint_differences(expected: dict, actual: dict) -> dict:
+    """Fields whose values differ: {field: (expected, actual)} (a missing field counts as None)."""
+    return {key: (expected.get(key), actual.get(key)) for key in sorted(set(expected) | set(actual))
+            if expected.get(key) != actual.get(key)}
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def scorer_record(scorer: Scorer, base_model: str | None = None, fingerprint: dict | None = None,
+                  extra: dict | None = None) -> dict:
+    """The ``scorer.json`` content for ``scorer`` (without the weights' sha256).
+
+    The scorer's own metadata is the base; ``base_model``, ``fingerprint`` and ``extra``
+    (e.g. ``{"training": ..., "metrics": ...}``) override it.
+    """
+    record = dict(scorer.metadata)
+    base = dict(record.get("base_model") or {})
+    if base_model is not None:
+        base["id"] = base_model
+    if fingerprint is not None:
+        base["fingerprint"] = fingerprint
+    record.update(extra or {})
+    record.update({
+        "format_version": FORMAT_VERSION,
+        "base_model": base,
+        "estimator": {"class": type(scorer.estimator).__name__, "config": scorer.estimator.config()},
+        "settings": {name: getattr(scorer, name) for name in SCORER_SETTINGS},
+    })
+    return _jsonable(record)
+
+
+def save_scorer(scorer: Scorer, out_dir: str | os.PathLike, *, base_model: str | None = None,
+                fingerprint: dict | None = None, extra: dict | None = None, overwrite: bool = False) -> Path:
+    """Write ``scorer`` to ``out_dir`` as scorer.safetensors + scorer.json, atomically.
+
+    Both files are written into a temporary folder beside ``out_dir`` that is then
+    renamed into place, so a reader never sees a half-written scorer.
+
+    Args:
+        scorer: the estimator and its settings.
+        out_dir: the folder to create, e.g. ``checkpoints/NAME``.
+        base_model, fingerprint, extra: see :func:`scorer_record`.
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CurKVError(f"{out} already exists; pass overwrite (--overwrite true) or choose another folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = scorer_record(scorer, base_model, fingerprint, extra)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in scorer.estimator.state_dict().items()}
+        save_file(weights, staging / WEIGHTS_FILE, metadata={"format_version": str(FORMAT_VERSION)})
+        record["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(staging / WEIGHTS_FILE)}
+        (staging / CONFIG_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        _make_readable(staging)
+        _replace_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _make_readable(folder: Path) -> None:
+    """Give a temporary folder (0700) and its files the modes a plain mkdir / open would under the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _replace_dir(source: Path, target: Path) -> None:
+    """Rename ``source`` onto ``target``; an existing ``target`` is moved aside first and then removed."""
+    if not target.exists():
+        os.replace(source, target)
+        return
+    trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    os.replace(target, trash / target.name)
+    try:
+        os.replace(source, target)
+    except OSError:
+        os.replace(trash / target.name, target)
+        raise
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def resolve_scorer_dir(path: str | os.PathLike) -> Path:
+    """The folder of a scorer: ``path`` itself, the folder of a ``scorer.json``, or a shipped checkpoint name."""
+    candidate = Path(path)
+    if candidate.is_file() and candidate.name == CONFIG_FILE:
+        return candidate.parent
+    if (candidate / CONFIG_FILE).is_file():
+        return candidate
+    shipped = Path(str(resources.files("curkv_train._checkpoints"))) / str(path)
+    if (shipped / CONFIG_FILE).is_file():
+        return shipped
+    raise CurKVError(f"no {CONFIG_FILE} in {candidate}; pass a folder written by `curkv-train export`")
+
+
+def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
+                device: str | torch.device = "cpu") -> Scorer:
+    """Read a scorer folder back, checking format version, weights sha256 and (given ``model``) its fingerprint.
+
+    Args:
+        path: the folder (or its scorer.json, or the name of a checkpoint shipped with the package).
+        model: the base model the scorer will serve; its config must match the recorded fingerprint.
+        device: where to put the estimator.
+
+    Returns:
+        The Scorer, with the whole scorer.json as ``metadata``.
+    """
+    folder = resolve_scorer_dir(path)
+    record = _read_record(folder / CONFIG_FILE)
+    weights_path = folder / record.get("weights", {}).get("file", WEIGHTS_FILE)
+    if not weights_path.is_file():
+        raise CurKVError(f"weights file {weights_path} is missing; re-export the scorer")
+    expected = record.get("weights", {}).get("sha256")
+    actual = file_sha256(weights_path)
+    if expected != actual:
+        raise CurKVError(f"sha256 of {weights_path} is {actual}, scorer.json records {expected}: "
+                         "the file is corrupt or was changed; re-export or re-download it")
+    estimator = ValueEstimator(**record["estimator"]["config"])
+    estimator.load_state_dict(load_file(weights_path), strict=True)
+    estimator.to(device).eval().requires_grad_(False)
+    settings = record.get("settings", {})
+    scorer = Scorer(estimator, metadata=record, **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
+    if model is not None:
+        check_model(scorer, model)
+    return scorer
+
+
+def _read_record(config_path: Path) -> dict:
+    """Parse scorer.json and check its format version."""
+    try:
+        record = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CurKVError(f"{config_path} is not valid JSON ({error.msg} at line {error.lineno})") from None
+    version = record.get("format_version") if isinstance(record, dict) else None
+    if version != FORMAT_VERSION:
+        raise CurKVError(f"{config_path} has scorer format version {version!r}; this curkv-train reads "
+                         f"version {FORMAT_VERSION}: re-export it with this version's `curkv-train export`")
+    return record
+
+
+def check_model(scorer: Scorer, model: PreTrainedModel) -> None:
+    """Raise a CurKVError naming the differing fields if ``model`` is not the one ``scorer`` was trained on."""
+    actual = model_fingerprint(model.config)
+    expected = (scorer.metadata.get("base_model") or {}).get("fingerprint")
+    if expected is None:
+        log.warning("scorer records no base-model fingerprint; checking shapes only")
+        config = scorer.estimator.config()
+        expected = {"num_hidden_layers": config["num_layers"], "num_key_value_heads": config["num_kv_heads"],
+                    "head_dim": config["head_dim"]}
+        actual = {key: actual[key] for key in expected}
+    differences = fingerprint_differences(expected, actual)
+    if differences:
+        listed = "; ".join(f"{key}: scorer {want!r} vs model {got!r}" for key, (want, got) in differences.items())
+        base = (scorer.metadata.get("base_model") or {}).get("id", "its base model")
+        raise CurKVError(f"scorer was trained for {base}, not this model ({listed}); "
+                         "use the base model it was trained on or train a scorer for this one")
