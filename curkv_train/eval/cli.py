@@ -1,0 +1,232 @@
+"""``curkv-train eval``: compare a trained scorer with the known methods on held-out tasks.
+
+The options are the typed signature of :func:`run_eval` (jsonargparse), so ``--help``
+always matches it. Lists are comma-separated (``--ratios 0.3,0.5,0.7``); options may be
+spelled with dashes or underscores (``--context-length`` = ``--context_length``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from jsonargparse import ArgumentParser
+from jsonargparse.typing import register_type
+
+from curkv_train.errors import CurKVError
+from curkv_train.eval.harness import EvalSettings, evaluate
+from curkv_train.eval.methods import BASELINES, CURKV, FULL, build_methods
+from curkv_train.eval.report import write_run
+from curkv_train.eval.tasks import SPAN_CUE, TASKS, build_examples, check_tasks, load_streams
+from curkv_train.models.base import load_base_model, load_tokenizer
+from curkv_train.runtime.scorer import Scorer
+
+DEFAULT_BASE = "embedded:smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FloatList(list):
+    """Comma-separated numbers, e.g. ``0.3,0.5,0.7``."""
+
+
+class IntList(list):
+    """Comma-separated integers, e.g. ``512,1024``."""
+
+
+class NameList(list):
+    """Comma-separated names, e.g. ``ppl_text,passkey``."""
+
+
+def _items(value) -> list:
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return [item.strip() if isinstance(item, str) else item for item in items if str(item).strip()]
+
+
+register_type(FloatList, serializer=lambda v: ",".join(map(str, v)), deserializer=lambda v: FloatList(map(float, _items(v))))
+register_type(IntList, serializer=lambda v: ",".join(map(str, v)), deserializer=lambda v: IntList(map(int, _items(v))))
+register_type(NameList, serializer=lambda v: ",".join(v), deserializer=lambda v: NameList(map(str, _items(v))))
+
+
+def run_eval(
+    scorer: str,
+    base: str | None = None,
+    ratios: FloatList = FloatList([0.3, 0.5, 0.7]),
+    tasks: NameList = NameList(TASKS),
+    methods: NameList | None = None,
+    out: str = "runs/eval",
+    context_length: int = 1024,
+    continuation_length: int = 128,
+    examples: int = 12,
+    seed: int = 0,
+    n_sink: int | None = None,
+    window: int | None = None,
+    passkey_depths: FloatList = FloatList([0.1, 0.5, 0.9]),
+    passkey_lengths: IntList | None = None,
+    kvpress: bool = False,
+    kvpress_budget: str = "matched",
+    dtype: str = "float32",
+    backend: str = "auto",
+) -> Path:
+    """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
+
+    Args:
+        scorer: exported scorer folder (checkpoints/NAME, or the name of a shipped checkpoint) or
+            ``none`` for the baselines only.
+        base: base model (hub id, folder, ``embedded:NAME``, ``tiny-random-llama``); default: the
+            scorer's base, or embedded SmolLM2-135M-Instruct without a scorer.
+        ratios: compression ratios, comma-separated (0.7 drops 70 % of the compressible tokens).
+        tasks: comma-separated subset of ppl_text, ppl_code, passkey, repeated_span.
+        methods: comma-separated subset of full, random, streaming_llm, h2o, snapkv, tova, knorm,
+            curdkv, expected_attention, curkv; default all (curkv only with a scorer).
+        out: run directory.
+        context_length: context tokens per example (compressed).
+        continuation_length: continuation tokens per example (scored).
+        examples: examples per task.
+        seed: seed of the held-out examples and of the random method.
+        n_sink: always-kept leading tokens; default the scorer's (else 4).
+        window: always-kept recent tokens; default the scorer's (else 64).
+        passkey_depths: passkey needle depths, comma-separated, in [0, 1].
+        passkey_lengths: passkey context lengths; default context_length / 2 and context_length.
+        kvpress: also run kvpress's own presses as ``kvpress:<name>`` rows (cross-check).
+        kvpress_budget: ``matched`` (presses keep as many tokens as our path) or ``nominal``.
+        dtype: base model dtype (float32, bfloat16, float16).
+        backend: compaction kernel backend (auto, torch, triton).
+    """
+    if dtype not in DTYPES:
+        raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    task_names = check_tasks(list(tasks))
+    trained = None if scorer.lower() == "none" else load_scorer_file(scorer)
+    base = base or _scorer_base(trained) or (DEFAULT_BASE if trained is None else None)
+    if base is None:
+        raise CurKVError(f"scorer {scorer!r} does not record its base model; pass --base")
+    n_sink = n_sink if n_sink is not None else (trained.n_sink if trained else 4)
+    window = window if window is not None else (trained.window if trained else 64)
+    method_names = list(methods) if methods else [FULL, *BASELINES, *([CURKV] if trained else [])]
+    score_functions = build_methods(method_names, trained, n_sink=n_sink, window=window)
+    settings = EvalSettings(list(ratios), n_sink=n_sink, window=window, seed=seed, backend=backend,
+                            kvpress=kvpress, kvpress_budget=kvpress_budget)
+    lengths = list(passkey_lengths) if passkey_lengths else _default_passkey_lengths(context_length, settings)
+    _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths), task_names)
+
+    model = load_base_model(base, dtype=DTYPES[dtype])
+    tokenizer = load_tokenizer(base)
+    if trained is not None:
+        trained = load_scorer_file(scorer, model)  # a loader that takes the model checks its fingerprint
+        check_scorer_matches(trained, model, base)
+    streams = load_streams(tokenizer, task_names)
+    task_examples = {task: build_examples(task, tokenizer, streams, context_length=context_length,
+                                          continuation_length=continuation_length, examples=examples, seed=seed,
+                                          protected=(n_sink, window), passkey_depths=list(passkey_depths),
+                                          passkey_lengths=lengths)
+                     for task in task_names}
+    results = evaluate(model, task_examples, score_functions, settings,
+                       progress=lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True))
+    config = {"scorer": scorer, "base": base, "ratios": list(ratios), "tasks": task_names,
+              "methods": list(score_functions), "context_length": context_length,
+              "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,
+              "window": window, "passkey_depths": list(passkey_depths), "passkey_lengths": lengths,
+              "kvpress": kvpress, "kvpress_budget": kvpress_budget, "dtype": dtype, "backend": backend,
+              "torch": torch.__version__, "python": platform.python_version()}
+    return write_run(out, results, config)
+
+
+def _default_passkey_lengths(context_length: int, settings: EvalSettings) -> list[int]:
+    half = context_length // 2
+    return [half, context_length] if half > settings.n_sink + settings.window else [context_length]
+
+
+def _check_shapes(settings: EvalSettings, context_length: int, continuation_length: int, examples: int,
+                  passkey_lengths: list[int], passkey_depths: list[float], tasks: list[str]) -> None:
+    """One-line errors for option values no example could be built from."""
+    if examples < 1:
+        raise CurKVError(f"--examples must be at least 1, got {examples}")
+    if continuation_length < 2:
+        raise CurKVError(f"--continuation-length must be at least 2 (one scored prediction), got "
+                         f"{continuation_length}")
+    if "repeated_span" in tasks and continuation_length < SPAN_CUE + 2:
+        raise CurKVError(f"repeated_span needs --continuation-length >= {SPAN_CUE + 2} (an {SPAN_CUE}-token cue "
+                         f"plus the copy), got {continuation_length}")
+    settings.check_context(context_length)
+    if "passkey" in tasks:
+        for length in passkey_lengths:
+            settings.check_context(length, "passkey context")
+        if not passkey_depths or any(not 0.0 <= depth <= 1.0 for depth in passkey_depths):
+            raise CurKVError(f"--passkey-depths must lie in [0, 1], got {passkey_depths}")
+
+
+def _scorer_base(scorer: Scorer | None) -> str | None:
+    """The base model id a scorer records (``base_model`` may be an id or ``{"id": ..., "fingerprint": ...}``)."""
+    if scorer is None:
+        return None
+    base = scorer.metadata.get("base_model")
+    return (base.get("id") if isinstance(base, dict) else base) or None
+
+
+def _loader(path: str):
+    try:
+        from curkv_train.runtime import load_scorer
+    except ImportError as error:
+        raise CurKVError(f"cannot load scorer {path!r}: this installation has no curkv_train.runtime.load_scorer; "
+                         "run the baselines with --scorer none") from error
+    return load_scorer
+
+
+def load_scorer_file(path: str, model=None) -> Scorer:
+    """The exported scorer at ``path``, through the runtime's loader (imported lazily).
+
+    With ``model``, and a loader that accepts it, the loader also checks the scorer
+    was exported for this base (fingerprint).
+    """
+    loader = _loader(path)
+    if model is not None and "model" in inspect.signature(loader).parameters:
+        return loader(path, model=model)
+    return loader(path)
+
+
+def check_scorer_matches(scorer: Scorer, model, base: str) -> None:
+    """A CurKVError when the scorer's (layers, KV heads, head_dim) are not the base model's."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expected = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+    estimator = scorer.estimator
+    got = (estimator.num_layers, estimator.num_kv_heads, estimator.head_dim)
+    if got != expected:
+        trained_for = _scorer_base(scorer) or "another model"
+        raise CurKVError(f"scorer was trained for {trained_for} ({got[0]} layers, {got[1]} KV heads, head_dim "
+                         f"{got[2]}) but base {base!r} has {expected[0]} layers, {expected[1]} KV heads, head_dim "
+                         f"{expected[2]}; pass the --base it was exported for")
+
+
+def build_parser() -> ArgumentParser:
+    """The ``curkv-train eval`` parser, generated from :func:`run_eval`'s signature and docstring."""
+    parser = ArgumentParser(prog="curkv-train eval", description=run_eval.__doc__.splitlines()[0],
+                            exit_on_error=False)
+    parser.add_function_arguments(run_eval, as_group=False)
+    return parser
+
+
+def underscore_options(args: list[str]) -> list[str]:
+    """``--context-length=5`` -> ``--context_length=5`` (the parser's spelling); values are left alone."""
+    spelled = []
+    for arg in args:
+        if arg.startswith("--") and len(arg) > 2:
+            key, sep, value = arg[2:].partition("=")
+            arg = "--" + key.replace("-", "_") + sep + value
+        spelled.append(arg)
+    return spelled
+
+
+def main(args: list[str]) -> int:
+    """Parse ``args``, run the evaluation, print where the results are; user errors raise CurKVError."""
+    parser = build_parser()
+    try:
+        namespace = parser.parse_args(underscore_options(args))
+    except argparse.ArgumentError as error:
+        raise CurKVError(" ".join(str(error).split())) from error
+    run_dir = run_eval(**namespace.as_dict())
+    print(f"results: {run_dir / 'results.md'}")
+    return 0

@@ -1,0 +1,182 @@
+"""The evaluation loop: one prefill per example, then every (method, ratio) through the same path.
+
+Per example: prefill the context once (capturing queries when an attention-based
+method needs them); run the continuation on the full cache (the reference); score
+the context layer by layer with every method; then for each method and compression
+ratio select, compact, build the compressed cache and run the continuation again.
+kvpress presses (optional) prefill under the press, then continue the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from curkv_train.errors import CurKVError
+from curkv_train.eval import kvpress_bridge
+from curkv_train.eval.compressed import cache_bytes, compress_prefill, continuation_logits, kept_tokens
+from curkv_train.eval.methods import FULL, ScoreFunction
+from curkv_train.eval.metrics import add_sums, continuation_sums, finalize
+from curkv_train.eval.prefill import Prefill, prefill
+from curkv_train.eval.tasks import MAIN_METRIC, TASKS, TaskExample
+
+
+@dataclass
+class EvalSettings:
+    """How every method is run.
+
+    Attributes:
+        ratios: compression ratios (kvpress convention: 0.7 drops 70 % of the compressible tokens).
+        n_sink, window: always-kept leading / trailing context tokens.
+        seed: base seed (random method, kvpress presses that sample).
+        backend: compaction kernel backend (auto, torch, triton).
+        kvpress: also run kvpress's own presses (rows ``kvpress:<name>``).
+        kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
+    """
+
+    ratios: list[float]
+    n_sink: int = 4
+    window: int = 64
+    seed: int = 0
+    backend: str = "auto"
+    kvpress: bool = False
+    kvpress_budget: str = "matched"
+
+    def __post_init__(self) -> None:
+        bad = [ratio for ratio in self.ratios if not 0.0 <= ratio < 1.0]
+        if bad or not self.ratios:
+            raise CurKVError(f"compression ratios must lie in [0, 1) (0.7 drops 70 % of the compressible "
+                             f"tokens), got {self.ratios}")
+        if self.kvpress_budget not in kvpress_bridge.BUDGETS:
+            raise CurKVError(f"unknown kvpress budget {self.kvpress_budget!r}; expected one of "
+                             f"{', '.join(kvpress_bridge.BUDGETS)}")
+
+    def check_context(self, context_length: int, what: str = "context") -> None:
+        """A CurKVError unless ``context_length`` leaves compressible tokens after sinks and window."""
+        if context_length <= self.n_sink + self.window:
+            raise CurKVError(f"{what} length {context_length} must exceed n_sink + window "
+                             f"({self.n_sink} + {self.window}); nothing would be compressed at any ratio. "
+                             "Raise --context-length or lower --window / --n-sink")
+
+
+def score_layers(model: PreTrainedModel, context: Prefill, methods: dict[str, ScoreFunction | None],
+                 settings: EvalSettings, seed: int) -> dict[str, list[torch.Tensor]]:
+    """Per method, per layer, (batch, kv_heads, tokens) scores; one layer's statistics alive at a time."""
+    scores: dict[str, list[torch.Tensor]] = {name: [] for name, fn in methods.items() if fn is not None}
+    for layer in range(context.num_layers):
+        ctx = context.layer_context(layer, model=model, n_sink=settings.n_sink, window=settings.window, seed=seed)
+        for name in scores:
+            scores[name].append(methods[name](ctx).float())
+    return scores
+
+
+def _budget(cache, context_length: int) -> dict[str, float]:
+    return {"kept_tokens": kept_tokens(cache), "context_tokens": float(context_length),
+            "kv_bytes": float(cache_bytes(cache))}
+
+
+@torch.no_grad()
+def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, ScoreFunction | None],
+                     settings: EvalSettings, seed: int) -> list[tuple[str, float, dict[str, float]]]:
+    """(method, ratio, sums) for every method and ratio on one example.
+
+    The full cache is the reference of every KL and perplexity increase, so its row
+    (``full``, at ratio 0) is always there.
+    """
+    device = next(model.parameters()).device
+    ids = example.input_ids.to(device)
+    length = example.context_length
+    context_ids, continuation_ids = ids[:, :length], ids[:, length:]
+    needs_queries = any(getattr(fn, "needs_queries", False) for fn in methods.values() if fn is not None)
+    context = prefill(model, context_ids, capture_queries=needs_queries)
+    full_cache = compress_prefill(model, context, None, n_sink=settings.n_sink, window=settings.window,
+                                  keep_ratio=1.0)
+    full_budget = _budget(full_cache, length)
+    reference = continuation_logits(model, full_cache, continuation_ids, length)
+    rows = []
+
+    def measure(name: str, ratio: float, cache) -> None:
+        budget = _budget(cache, length)
+        logits = continuation_logits(model, cache, continuation_ids, length)
+        sums = continuation_sums(logits, reference, continuation_ids, example.answer)
+        rows.append((name, ratio, {**sums, **budget}))
+
+    rows.append((FULL, 0.0, {**continuation_sums(reference, reference, continuation_ids, example.answer),
+                             **full_budget}))
+    scores = score_layers(model, context, methods, settings, seed)
+    context.queries.clear()
+    for name, per_layer in scores.items():
+        for ratio in settings.ratios:
+            measure(name, ratio, compress_prefill(model, context, per_layer, n_sink=settings.n_sink,
+                                                  window=settings.window, keep_ratio=1.0 - ratio,
+                                                  backend=settings.backend))
+    if settings.kvpress:
+        for name in kvpress_bridge.available_presses():
+            for ratio in settings.ratios:
+                press_ratio = kvpress_bridge.press_ratio(length, ratio, n_sink=settings.n_sink,
+                                                         window=settings.window, budget=settings.kvpress_budget)
+                press = kvpress_bridge.make_press(name, press_ratio, n_sink=settings.n_sink,
+                                                  window=settings.window, seed=seed)
+                measure(kvpress_bridge.PREFIX + name, ratio,
+                        kvpress_bridge.press_cache(model, name, press, context_ids, seed))
+    return rows
+
+
+def _tags(example: TaskExample) -> list[str]:
+    return [""] + [f"{key}={value}" for key, value in sorted(example.tags.items())]
+
+
+def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
+             methods: dict[str, ScoreFunction | None], settings: EvalSettings,
+             progress: Callable[[str], None] | None = None) -> dict:
+    """Run every method on every example and aggregate.
+
+    Args:
+        examples: task name -> its examples.
+        methods: method name -> score function (``full`` -> None).
+        progress: called with one line per finished example.
+
+    Returns:
+        {"rows": [{"method", "ratio", "task", "metrics"}], "main_metric": {task: metric},
+        "seconds_per_example": {task: float}}; metric ``m@key=value`` breaks a task's main
+        metric down by an example tag (passkey depth and length).
+    """
+    for task, task_examples in examples.items():
+        for example in task_examples:
+            settings.check_context(example.context_length, f"{task} context")
+    totals: dict[tuple[str, float, str, str], dict[str, float]] = {}
+    seconds: dict[str, float] = {}
+    number = 0
+    for task, task_examples in examples.items():
+        started = time.perf_counter()
+        for index, example in enumerate(task_examples):
+            tick = time.perf_counter()
+            for method, ratio, sums in evaluate_example(model, example, methods, settings,
+                                                        settings.seed * 1_000_003 + number):
+                for tag in _tags(example):
+                    add_sums(totals.setdefault((method, ratio, task, tag), {}), sums)
+            number += 1
+            if progress is not None:
+                progress(f"{task} {index + 1}/{len(task_examples)}: {time.perf_counter() - tick:.1f} s")
+        seconds[task] = (time.perf_counter() - started) / max(1, len(task_examples))
+    return {"rows": _rows(totals), "main_metric": {task: MAIN_METRIC[TASKS[task][0]] for task in examples},
+            "seconds_per_example": seconds}
+
+
+def _rows(totals: dict[tuple[str, float, str, str], dict[str, float]]) -> list[dict]:
+    rows: dict[tuple[str, float, str], dict] = {}
+    for (method, ratio, task, tag), sums in totals.items():
+        kind = TASKS[task][0]
+        metrics = finalize(kind, sums, totals.get((FULL, 0.0, task, tag)))
+        row = rows.setdefault((method, ratio, task), {"method": method, "ratio": ratio, "task": task, "metrics": {}})
+        if tag:
+            main = MAIN_METRIC[kind]
+            if main in metrics:
+                row["metrics"][f"{main}@{tag}"] = metrics[main]
+        else:
+            row["metrics"] = {**metrics, **row["metrics"]}
+    return list(rows.values())

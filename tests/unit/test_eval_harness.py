@@ -1,0 +1,118 @@
+"""``curkv-train eval`` end to end on the tiny model, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from curkv_train import cli
+from curkv_train.eval import cli as eval_cli
+from curkv_train.eval.methods import METHODS
+from curkv_train.eval.tasks import TASKS
+from curkv_train.models.base import TINY_RANDOM
+from curkv_train.models.estimator import ValueEstimator
+from curkv_train.runtime.scorer import Scorer
+
+SMALL = ["--context-length", "128", "--continuation-length", "48", "--examples", "2", "--passkey-lengths", "128",
+         "--passkey-depths", "0.2,0.8", "--backend", "torch"]
+
+
+def use_scorer(monkeypatch, num_layers: int = 2) -> Scorer:
+    """Make the CLI's loader return a scorer built from a fresh estimator (2 layers fit the tiny model)."""
+    scorer = Scorer(ValueEstimator(num_layers, 2, 16, max_positions=2048), n_sink=4, window=16,
+                    metadata={"base_model": TINY_RANDOM})
+    monkeypatch.setattr(eval_cli, "load_scorer_file", lambda path, model=None: scorer)
+    return scorer
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(["eval", *args])
+    return code, capsys.readouterr().err
+
+
+def test_end_to_end_with_a_fresh_scorer(tmp_path, monkeypatch, capsys):
+    use_scorer(monkeypatch)
+    run = tmp_path / "run"
+    code, err = run_cli(["--scorer", str(tmp_path / "scorer"), "--ratios", "0.3,0.7", "--out", str(run), *SMALL],
+                        capsys)
+    assert code == 0, err
+    results = json.loads((run / "results.json").read_text())
+    assert results["config"]["base"] == TINY_RANDOM
+    assert (results["config"]["n_sink"], results["config"]["window"]) == (4, 16)  # the scorer's spans
+    rows = {(row["method"], row["ratio"], row["task"]): row["metrics"] for row in results["rows"]}
+    assert {method for method, _, _ in rows} == set(METHODS)
+    for task in TASKS:
+        main = results["main_metric"][task]
+        full = rows[("full", 0.0, task)]
+        for ratio in (0.3, 0.7):
+            budgets = {rows[(method, ratio, task)]["kept_tokens"] for method in METHODS if method != "full"}
+            assert len(budgets) == 1 and budgets.pop() < full["kept_tokens"]  # one budget for every method
+            for method in METHODS[1:]:
+                metrics = rows[(method, ratio, task)]
+                assert metrics[main] is not None and math.isfinite(metrics[main])
+                assert metrics["kv_bytes"] < full["kv_bytes"]
+    assert rows[("full", 0.0, "ppl_text")]["ppl_increase_pct"] == 0.0
+    assert {"accuracy@depth=0.2", "accuracy@depth=0.8", "accuracy@length=128"} <= set(rows[("h2o", 0.3, "passkey")])
+
+    markdown = (run / "results.md").read_text()
+    assert "| curkv |" in markdown and "## repeated_span" in markdown and "**kv_bytes**" in markdown
+    for task in TASKS:
+        png = run / "plots" / f"{task}__{results['main_metric'][task]}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run / "tensorboard" / "curkv").glob("events.out.tfevents.*"))
+    assert not [path for path in run.rglob(".*")]  # no temporary files left behind
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tasks", "ppl_text,bogus"], "valid tasks: " + ", ".join(TASKS)),
+        (["--methods", "full,bogus"], "valid methods: " + ", ".join(METHODS)),
+        (["--methods", "curkv"], "needs a trained scorer"),
+        (["--context-length", "60"], "must exceed n_sink + window (4 + 64)"),
+        (["--ratios", "0.5,1.0"], "must lie in [0, 1)"),
+        (["--examples", "many"], "examples"),
+    ],
+)
+def test_bad_input_is_one_line(args, message, capsys):
+    code, err = run_cli(["--scorer", "none", "--base", TINY_RANDOM, *args], capsys)
+    assert code == 2
+    assert message in err and err.count("\n") == 1
+
+
+def test_scorer_for_another_base_is_rejected(tmp_path, monkeypatch, capsys):
+    use_scorer(monkeypatch, num_layers=3)
+    code, err = run_cli(["--scorer", str(tmp_path), "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 2
+    assert "3 layers" in err and "2 layers" in err and "--base" in err
+
+
+def test_missing_scorer_path(tmp_path, capsys):
+    code, err = run_cli(["--scorer", str(tmp_path / "nope"), "--base", TINY_RANDOM], capsys)
+    assert code == 2 and "nope" in err and err.count("\n") == 1
+
+
+def test_exported_scorer_through_the_runtime_loader(tmp_path, capsys):
+    """A scorer written by the runtime's exporter loads by path; a fingerprint of another base is refused."""
+    runtime = pytest.importorskip("curkv_train.runtime")
+    if not hasattr(runtime, "save_scorer"):
+        pytest.skip("no runtime exporter in this checkout")
+    from curkv_train.models.base import load_base_model
+
+    config = load_base_model(TINY_RANDOM).config
+    scorer = Scorer(ValueEstimator(2, 2, 16, max_positions=2048), n_sink=4, window=16)
+    good = runtime.save_scorer(scorer, tmp_path / "good", base_model=TINY_RANDOM,
+                               fingerprint=runtime.model_fingerprint(config))
+    code, err = run_cli(["--scorer", str(good), "--tasks", "ppl_text", "--methods", "full,streaming_llm,curkv",
+                         "--ratios", "0.5", "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 0, err
+    rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
+    assert {row["method"] for row in rows} == {"full", "streaming_llm", "curkv"}
+
+    other = config.to_dict() | {"vocab_size": config.vocab_size * 2}
+    bad = runtime.save_scorer(scorer, tmp_path / "bad", base_model=TINY_RANDOM,
+                              fingerprint=runtime.model_fingerprint(type(config).from_dict(other)))
+    code, err = run_cli(["--scorer", str(bad), "--out", str(tmp_path / "run2"), *SMALL], capsys)
+    assert code == 2 and err.count("\n") == 1
