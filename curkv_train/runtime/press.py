@@ -1,0 +1,83 @@
+"""kvpress adapter: the trained value estimator as a kvpress ``ScorerPress``.
+
+Needs the optional ``kvpress`` package (``pip install curkv-train[kvpress]``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from kvpress.presses.scorer_press import ScorerPress
+from torch import nn
+from transformers import PreTrainedModel
+
+from curkv_train.errors import CurKVError
+from curkv_train.runtime.scorer import Scorer
+
+# Added to the scores of sinks and the recent window: far above any estimator logit,
+# finite so that top-k never meets inf - inf.
+PROTECTED_SCORE = 1e4
+
+
+@dataclass
+class CurKVPress(ScorerPress):
+    """Keep the tokens a trained value estimator scores highest (curkv-train's scorer).
+
+    The estimator scores every cached (layer, KV head, token) from its pre-RoPE key,
+    its value and its position (see DESIGN.md §3). The first ``n_sink`` and the last
+    ``window`` tokens get a score far above the rest so kvpress keeps them.
+
+    Budget: kvpress keeps ``max(1, int(n·(1 − compression_ratio)))`` of *all* n tokens,
+    protected ones included, while curkv-train's own selection
+    (:func:`curkv_train.runtime.selection.select_kept`) keeps the protected tokens plus
+    ⌈ρ·n_compressible⌉ of the rest. Here the protected tokens come out of kvpress's
+    budget, so slightly fewer compressible tokens survive at the same ratio (and only
+    part of the protected span if the budget is smaller than it).
+
+    Parameters
+    ----------
+    scorer : Scorer or str or os.PathLike
+        A loaded :class:`Scorer` or the folder of an exported one.
+    compression_ratio : float, default=0.0
+        Fraction of key-value pairs to remove (kvpress's convention; keep ratio = 1 − it).
+    n_sink, window : int, optional
+        Protected leading / trailing tokens; default the scorer's own.
+    """
+
+    scorer: Scorer | str | os.PathLike | None = None
+    n_sink: int | None = None
+    window: int | None = None
+    model: PreTrainedModel | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.scorer is None:
+            raise CurKVError("CurKVPress needs a scorer: a Scorer or the folder of an exported one")
+
+    def post_init_from_model(self, model: PreTrainedModel) -> None:
+        """Load the scorer (checked against ``model``) and keep the model for its rotary tables."""
+        if not isinstance(self.scorer, Scorer):
+            from curkv_train.runtime.serialization import load_scorer
+
+            self.scorer = load_scorer(self.scorer, model=model)
+        self.model = model
+
+    def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              attentions: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Estimator logits (batch, kv_heads, tokens) for ``module.layer_idx``, sinks and window lifted.
+
+        Args:
+            keys: (batch, kv_heads, tokens, head_dim) post-RoPE keys of the prefilled context.
+            values: (batch, kv_heads, tokens, head_dim) values.
+        """
+        if self.model is None or not isinstance(self.scorer, Scorer):
+            raise CurKVError("CurKVPress is used outside `with press(model):`; call press.post_init_from_model(model)")
+        tokens = keys.shape[2]
+        positions = torch.arange(tokens, device=keys.device)
+        scores = self.scorer.score_layer(self.model, module.layer_idx, keys, values, positions)
+        n_sink = self.scorer.n_sink if self.n_sink is None else self.n_sink
+        window = self.scorer.window if self.window is None else self.window
+        protected = (positions < n_sink) | (positions >= tokens - window)
+        return scores + PROTECTED_SCORE * protected.to(scores.dtype)

@@ -1,0 +1,92 @@
+"""CurKVPress inside kvpress: the pipeline runs, kvpress's kept count holds, sinks and window survive."""
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+from curkv_train.models.base import TINY_RANDOM, load_base_model, load_tokenizer
+from curkv_train.models.estimator import ValueEstimator
+from curkv_train.runtime import Scorer
+
+kvpress = pytest.importorskip("kvpress")
+from kvpress.utils import compute_n_kept  # noqa: E402
+
+from curkv_train.runtime import CurKVPress  # noqa: E402
+
+N_SINK, WINDOW = 4, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    torch.manual_seed(0)
+    estimator = ValueEstimator(2, 2, 16, max_positions=2048)
+    with torch.no_grad():
+        estimator.key_weight.normal_()
+        estimator.position_weight.normal_()
+        estimator.bias.fill_(5.0)  # high scores everywhere: protection must come from the press itself
+    return Scorer(estimator, n_sink=N_SINK, window=WINDOW)
+
+
+def test_runs_in_kvpress_pipeline_with_promised_kept_count(model, scorer):
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=load_tokenizer(TINY_RANDOM), device="cpu")
+    context = "The passkey is 7421. " * 20
+    cache = DynamicCache()
+    press = CurKVPress(scorer=scorer, compression_ratio=0.6)
+    result = pipe(context, question="What is the passkey?", press=press, cache=cache, max_new_tokens=4)
+    assert isinstance(result["answer"], str)
+    context_tokens = len(pipe.preprocess(context, [""], "", 10**9)["context_ids"][0])
+    for layer in cache.layers:
+        assert layer.keys.shape[2] == compute_n_kept(context_tokens, 0.6)
+
+
+def test_sinks_and_window_are_kept(model, scorer):
+    ids = torch.randint(3, 512, (1, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = DynamicCache()
+        model(ids, past_key_values=full)
+        press, cache = CurKVPress(scorer=scorer, compression_ratio=0.7), DynamicCache()
+        with press(model):
+            model(ids, past_key_values=cache)
+    kept = compute_n_kept(120, 0.7)
+    for full_layer, layer in zip(full.layers, cache.layers):
+        assert layer.keys.shape == (1, 2, kept, 16)
+        for head in range(2):
+            held = layer.keys[0, head]
+            for position in list(range(N_SINK)) + list(range(120 - WINDOW, 120)):
+                assert (held == full_layer.keys[0, head, position]).all(dim=-1).any(), position
+
+
+def test_scores_lift_protected_tokens(model, scorer):
+    press = CurKVPress(scorer=scorer, compression_ratio=0.5)
+    press.post_init_from_model(model)
+    keys, values = torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    module = model.model.layers[1].self_attn
+    scores = press.score(module, torch.zeros(1, 50, 64), keys, values, None, {})
+    assert scores.shape == (1, 2, 50)
+    protected = torch.zeros(50, dtype=torch.bool)
+    protected[:N_SINK] = protected[-WINDOW:] = True
+    assert scores[..., protected].min() > scores[..., ~protected].max()
+    raw = scorer.score_layer(model, 1, keys, values)
+    torch.testing.assert_close(scores[..., ~protected], raw[..., ~protected])
+
+
+def test_press_loads_a_scorer_folder_checked_against_the_model(model, scorer, tmp_path):
+    from curkv_train.runtime import model_fingerprint, save_scorer
+
+    folder = save_scorer(scorer, tmp_path / "scorer", base_model=TINY_RANDOM, fingerprint=model_fingerprint(model.config))
+    press, cache = CurKVPress(scorer=str(folder), compression_ratio=0.5), DynamicCache()
+    with torch.no_grad(), press(model):
+        model(torch.randint(3, 512, (1, 60)), past_key_values=cache)
+    assert isinstance(press.scorer, Scorer) and cache.layers[0].keys.shape[2] == compute_n_kept(60, 0.5)
+
+
+def test_press_without_scorer_is_a_user_error():
+    from curkv_train.errors import CurKVError
+
+    with pytest.raises(CurKVError, match="needs a scorer"):
+        CurKVPress(compression_ratio=0.5)
