@@ -19,6 +19,12 @@ class CurKVCLI(LightningCLI):
         parser.link_arguments("model.n_sink", "data.n_sink")
         parser.link_arguments("model.window", "data.window")
 
+    def before_fit(self) -> None:
+        """Check the output folders before Lightning creates any (a one-line error, not a traceback)."""
+        from curkv_train.callbacks.guards import check_before_fit
+
+        check_before_fit(self.trainer)
+
 
 def build_cli(args: list[str], run: bool = True) -> CurKVCLI:
     """The Lightning CLI over ``args`` (``--recipe`` already expandable); ``run=False`` only parses."""
