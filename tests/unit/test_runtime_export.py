@@ -140,3 +140,16 @@ def test_cli_export_and_cache_from_folder(checkpoint_path, tmp_path, model):
     tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                             past_key_values=cache, pad_token_id=0)
     assert tokens.shape == (1, 84) and cache.held_tokens(0) < 83
+
+
+def test_runtime_imports_without_kvpress():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['kvpress'] = None\n"
+            "import curkv_train.runtime as runtime\n"
+            "assert runtime.CurKVCache and runtime.load_scorer and runtime.save_scorer and runtime.Scorer\n"
+            "try:\n    runtime.CurKVPress\nexcept ImportError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "CurKVPress needs kvpress" in result.stdout
