@@ -18,6 +18,11 @@ current length, and the top ones are kept so that the compressible tokens held
 heads keep different tokens but always the same count, so K and V stay dense
 (batch, kv_heads, kept, head_dim) tensors.
 
+Attention over the cold tier: each step reconstructs K_cold ≈ C·U·R (+ residual) and
+V_cold likewise as a transient inside ``update``; the cache itself holds only the
+factors. (Computing logits as C_j·(U·(R·q)) without the transient would save that
+peak, at the price of a custom attention function; not done here.)
+
 Positions: ``get_seq_length`` reports the tokens *seen*, so generate's
 ``cache_position`` and the RoPE positions of new tokens continue from them, while
 ``get_mask_sizes`` reports the tokens *held* with an offset (as transformers' own
@@ -28,6 +33,7 @@ re-indexed and is not supported.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,10 +43,13 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from curkv_train.errors import CurKVError
+from curkv_train.kernels import BACKENDS
 from curkv_train.objective import kept_count
 from curkv_train.runtime import cur
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.selection import compress_kv, select_kept
+
+log = logging.getLogger(__name__)
 
 ADAPTIVE = "adaptive"
 ScoreFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -81,6 +90,23 @@ class TierSettings:
     compensation_ratio: float
     max_kept_tokens: int | None
     backend: str
+
+    def __post_init__(self) -> None:
+        check_cache_keep_ratio(self.keep_ratio)
+        if self.window < 1 or self.n_sink < 0 or self.hot_tokens < self.window or self.warm_tokens < 0:
+            raise CurKVError(f"need window >= 1, n_sink >= 0, hot_windows >= 1 and warm_windows >= 0; got window "
+                             f"{self.window}, n_sink {self.n_sink}, hot {self.hot_tokens}, warm {self.warm_tokens} tokens")
+        if min(self.cold_block, self.cold_rows, self.cold_channels) < 1:
+            raise CurKVError(f"cold_block, cold_rows and cold_channels must be >= 1, got {self.cold_block}, "
+                             f"{self.cold_rows}, {self.cold_channels}")
+        if not 0.0 <= self.compensation_ratio <= 1.0:
+            raise CurKVError(f"compensation_ratio must be in [0, 1], got {self.compensation_ratio}")
+        if self.cold_core not in cur.CORES:
+            raise CurKVError(f"unknown cold_core {self.cold_core!r}; expected one of {', '.join(cur.CORES)}")
+        if self.max_kept_tokens is not None and self.max_kept_tokens < 0:
+            raise CurKVError(f"max_kept_tokens must be >= 0 or None, got {self.max_kept_tokens}")
+        if self.backend not in BACKENDS:
+            raise CurKVError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
 
     def ratio(self, seen: int) -> float:
         """The keep ratio ρ in force after ``seen`` tokens."""
@@ -303,6 +329,21 @@ class CurKVLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
 
+def check_model_shapes(scorer: Scorer, model: PreTrainedModel) -> None:
+    """CurKVError unless ``scorer`` fits ``model``'s layers and KV heads and the model attends fully."""
+    config, estimator = model.config.get_text_config(decoder=True), scorer.estimator
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if (estimator.num_layers, estimator.num_kv_heads) != (config.num_hidden_layers, kv_heads):
+        raise CurKVError(f"scorer is for {estimator.num_layers} layers × {estimator.num_kv_heads} KV heads, "
+                         f"the model has {config.num_hidden_layers} × {kv_heads}; load the matching scorer")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise CurKVError(f"CurKVCache supports full-attention layers only, the model has {sorted(layer_types)}")
+    if getattr(config, "sliding_window", None):
+        log.warning("the model's sliding window (%s tokens) is not applied to compressed tokens: generation "
+                    "matches the model only while the sequence fits in the window", config.sliding_window)
+
+
 class CurKVCache(Cache):
     """A transformers Cache compressed by a trained value estimator, with hot / warm / cold tiers.
 
@@ -344,39 +385,18 @@ class CurKVCache(Cache):
 
             scorer = load_scorer(scorer, model=model)
         self.scorer, self.model = scorer, model
-        self.settings = self._settings(locals())
+        check_model_shapes(scorer, model)
+        window = scorer.window if window is None else window
+        half = max(1, scorer.estimator.head_dim // 2)
+        self.settings = TierSettings(
+            keep_ratio=check_cache_keep_ratio(keep_ratio), n_sink=scorer.n_sink if n_sink is None else n_sink,
+            window=window, hot_tokens=window * (hot_windows if hot else 1),
+            warm_tokens=window * warm_windows if warm else 0, cold=cold, cold_block=cold_block or 4 * window,
+            cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,
+            compensation=compensation, compensation_ratio=compensation_ratio, max_kept_tokens=max_kept_tokens,
+            backend=backend)
         layers = [CurKVLayer(index, self.settings, self._score) for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
-
-    def _settings(self, args: dict) -> TierSettings:
-        """Validate the constructor arguments into TierSettings."""
-        scorer, config = args["scorer"], self.model.config.get_text_config(decoder=True)
-        estimator = scorer.estimator
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        if (estimator.num_layers, estimator.num_kv_heads) != (config.num_hidden_layers, kv_heads):
-            raise CurKVError(f"scorer is for {estimator.num_layers} layers × {estimator.num_kv_heads} KV heads, "
-                             f"the model has {config.num_hidden_layers} × {kv_heads}; load the matching scorer")
-        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"}:
-            raise CurKVError(f"CurKVCache supports full-attention layers only, the model has {sorted(layer_types)}")
-        window = scorer.window if args["window"] is None else args["window"]
-        n_sink = scorer.n_sink if args["n_sink"] is None else args["n_sink"]
-        if window < 1 or n_sink < 0 or args["hot_windows"] < 1 or args["warm_windows"] < 0:
-            raise CurKVError(f"need window >= 1, n_sink >= 0, hot_windows >= 1, warm_windows >= 0; got {window}, "
-                             f"{n_sink}, {args['hot_windows']}, {args['warm_windows']}")
-        if not 0.0 <= args["compensation_ratio"] <= 1.0:
-            raise CurKVError(f"compensation_ratio must be in [0, 1], got {args['compensation_ratio']}")
-        if args["cold_core"] not in cur.CORES:
-            raise CurKVError(f"unknown cold_core {args['cold_core']!r}; expected one of {', '.join(cur.CORES)}")
-        half = max(1, estimator.head_dim // 2)
-        return TierSettings(
-            keep_ratio=check_cache_keep_ratio(args["keep_ratio"]), n_sink=n_sink, window=window,
-            hot_tokens=window * (args["hot_windows"] if args["hot"] else 1),
-            warm_tokens=window * args["warm_windows"] if args["warm"] else 0, cold=args["cold"],
-            cold_block=args["cold_block"] or 4 * window, cold_rows=args["cold_rows"] or half,
-            cold_channels=args["cold_channels"] or half, cold_core=args["cold_core"],
-            compensation=args["compensation"], compensation_ratio=args["compensation_ratio"],
-            max_kept_tokens=args["max_kept_tokens"], backend=args["backend"])
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                end: int) -> torch.Tensor:

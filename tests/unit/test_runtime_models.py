@@ -1,0 +1,63 @@
+"""CurKVCache on Llama-, Mistral- and Qwen-style models, beam search, and per-head position scoring."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
+
+from curkv_train.models.base import TINY_RANDOM, load_base_model
+from curkv_train.models.capture import KEY_VIEWS
+from curkv_train.models.estimator import ValueEstimator
+from curkv_train.runtime import CurKVCache, Scorer
+
+SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    torch.manual_seed(0)
+    estimator = ValueEstimator(2, 2, 16, max_positions=2048)
+    with torch.no_grad():
+        estimator.key_weight.normal_()
+        estimator.position_weight.normal_()
+    return Scorer(estimator, n_sink=4, window=16)
+
+
+def greedy(model, ids, cache=None, **options):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                          past_key_values=cache, pad_token_id=0, eos_token_id=None, **options)
+
+
+@pytest.mark.parametrize("config", [MistralConfig(**SHAPES, sliding_window=None), Qwen2Config(**SHAPES),
+                                    Qwen3Config(**SHAPES)], ids=["mistral", "qwen2", "qwen3"])
+def test_other_families_generate_exactly_at_keep_ratio_one(scorer, config):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 512, (1, 120), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(greedy(model, ids, CurKVCache(scorer, model=model, keep_ratio=1.0)), greedy(model, ids))
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    assert greedy(model, ids, cache).shape == (1, 140) and cache.held_tokens(0) < 139
+
+
+def test_beam_search_reorders_the_compressed_cache(scorer):
+    model = load_base_model(TINY_RANDOM)
+    ids = torch.randint(3, 512, (1, 90), generator=torch.Generator().manual_seed(1))
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    assert greedy(model, ids, cache, num_beams=2).shape == (1, 110)
+    assert cache.layers[0].keys.shape[0] == cache.layers[0].positions.shape[0] == 2
+
+
+@pytest.mark.parametrize("view", KEY_VIEWS)
+def test_per_head_positions_score_like_shared_positions(scorer, view):
+    model = load_base_model(TINY_RANDOM)
+    viewed = Scorer(scorer.estimator, key_view=view)
+    keys, values = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    positions = torch.arange(30, 42)
+    shared = viewed.score_layer(model, 1, keys, values, positions)
+    per_head = viewed.score_layer(model, 1, keys, values, positions.expand(1, 2, 12))
+    torch.testing.assert_close(per_head, shared)
+    sparse = torch.cat([torch.arange(0, 22, 2), torch.tensor([41])])  # another head's kept tokens, same last one
+    per_head = viewed.score_layer(model, 1, keys, values, torch.stack([positions, sparse])[None], end=42)
+    other = viewed.score_layer(model, 1, keys, values, sparse, end=42)
+    torch.testing.assert_close(per_head[:, 0], shared[:, 0])
+    torch.testing.assert_close(per_head[:, 1], other[:, 1])
