@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from curkv_train.data.sampling import BlockSampler, ResumableLoader
 from curkv_train.data.synthetic import BUILDERS, SYNTHETIC_TASKS, Example
 from curkv_train.data.tokenized import token_stream
 from curkv_train.errors import CurKVError
@@ -158,8 +159,11 @@ class CurKVDataModule(L.LightningDataModule):
                                                self.continuation_length, size, seed, (self.n_sink, self.window))
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.datasets["train"], batch_size=self.batch_size, shuffle=True,
-                          num_workers=self.num_workers, collate_fn=collate_blocks)
+        """Blocks in a fixed, rank-split order that resumes mid-epoch (see :mod:`curkv_train.data.sampling`)."""
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        sampler = BlockSampler(self.datasets["train"], num_replicas=world, rank=rank)
+        return ResumableLoader(self.datasets["train"], batch_size=self.batch_size, sampler=sampler,
+                               num_workers=self.num_workers, collate_fn=collate_blocks)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.datasets["val"], batch_size=self.batch_size, num_workers=self.num_workers,
