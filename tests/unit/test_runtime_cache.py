@@ -13,6 +13,15 @@ WINDOW, N_SINK = 16, 4
 TIERS_OFF = {"hot": False, "cold": False}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
@@ -193,3 +202,4 @@ def test_adaptive_keep_ratio_thresholds():
     from curkv_train.runtime.cache import adaptive_keep_ratio
 
     assert [adaptive_keep_ratio(n) for n in (10, 1023, 1024, 4096, 4097)] == [1.0, 1.0, 0.5, 0.5, 0.3]
+

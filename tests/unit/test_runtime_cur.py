@@ -6,6 +6,15 @@ import torch
 from curkv_train.runtime import cur
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def decaying_matrix(tokens: int = 256, channels: int = 16, seed: int = 0) -> torch.Tensor:
     """(tokens, channels) float64 with singular values falling from 1 to 1e-3."""
     generator = torch.Generator().manual_seed(seed)

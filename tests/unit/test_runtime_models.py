@@ -13,6 +13,15 @@ SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def scorer():
     torch.manual_seed(0)

@@ -16,6 +16,15 @@ from curkv_train.runtime import CurKVPress  # noqa: E402
 N_SINK, WINDOW = 4, 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
