@@ -199,14 +199,24 @@ def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
     if expected != actual:
         raise CurKVError(f"sha256 of {weights_path} is {actual}, scorer.json records {expected}: "
                          "the file is corrupt or was changed; re-export or re-download it")
-    estimator = ValueEstimator(**record["estimator"]["config"])
-    estimator.load_state_dict(load_file(weights_path), strict=True)
-    estimator.to(device).eval().requires_grad_(False)
+    estimator = _load_estimator(record["estimator"]["config"], weights_path).to(device).eval().requires_grad_(False)
     settings = record.get("settings", {})
     scorer = Scorer(estimator, metadata=record, **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
     if model is not None:
         check_model(scorer, model)
     return scorer
+
+
+def _load_estimator(config: dict, weights_path: Path) -> ValueEstimator:
+    """A ValueEstimator built from ``config`` (on the meta device: no RNG use) holding the saved weights."""
+    with torch.device("meta"):
+        estimator = ValueEstimator(**config)
+    try:
+        estimator.load_state_dict(load_file(weights_path), strict=True, assign=True)
+    except RuntimeError as error:
+        raise CurKVError(f"{weights_path} does not fit the estimator recorded in scorer.json "
+                         f"({str(error).splitlines()[0]}); re-export the scorer") from None
+    return estimator
 
 
 def _read_record(config_path: Path) -> dict:
