@@ -13,6 +13,9 @@ strategies do not know about our model:
   while it shards (``sync_module_states``).
 - :func:`clip_grad_norm`: gradient clipping by the global norm over shards, which
   Lightning leaves to the module under FSDP.
+- :func:`saves_sharded_checkpoints`: Lightning resumes a sharded FSDP checkpoint with
+  ``torch.distributed.checkpoint``, which needs every key of the model, so such
+  checkpoints keep the base's shards (see ``CurKVModule.on_save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -88,3 +91,8 @@ def clip_grad_norm(strategy: Strategy, max_norm: float) -> bool:
         return False
     root.clip_grad_norm_(max_norm)
     return True
+
+
+def saves_sharded_checkpoints(strategy: Strategy) -> bool:
+    """Whether ``strategy`` writes FSDP sharded checkpoints (a folder of per-rank shards)."""
+    return isinstance(strategy, FSDPStrategy) and getattr(strategy, "_state_dict_type", "full") == "sharded"
