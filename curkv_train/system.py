@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from curkv_train.attention import CompressionState, patch_model
-from curkv_train.distributed import clip_grad_norm, prepare_rank_zero_loading
+from curkv_train.distributed import clip_grad_norm, prepare_rank_zero_loading, saves_sharded_checkpoints
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import BACKENDS
 from curkv_train.models.base import load_base_model
@@ -244,6 +244,12 @@ class CurKVModule(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep only the estimator and budget state: the base model is frozen and reloadable."""
+        """Keep only the estimator and budget state: the base model is frozen and reloadable.
+
+        Exception: FSDP sharded checkpoints keep the base's shards, because Lightning resumes
+        them through torch.distributed.checkpoint, which needs every key of the model.
+        """
+        if self._trainer is not None and saves_sharded_checkpoints(self.trainer.strategy):
+            return
         checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
                                     if not key.startswith("base.")}
