@@ -26,12 +26,21 @@ class CurKVCLI(LightningCLI):
         check_before_fit(self.trainer)
 
 
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
 def build_cli(args: list[str], run: bool = True) -> CurKVCLI:
-    """The Lightning CLI over ``args`` (``--recipe`` already expandable); ``run=False`` only parses."""
+    """The Lightning CLI over ``args`` (``--recipe`` already expandable).
+
+    ``run=False`` parses and instantiates (model, data, trainer) without running; a leading
+    subcommand (``["fit", "--recipe", NAME]``) is accepted and dropped then.
+    """
     from curkv_train.data.datamodule import CurKVDataModule
     from curkv_train.system import CurKVModule
 
     args = expand_recipe_flag(args)
+    if not run and args and args[0] in LIGHTNING_SUBCOMMANDS:
+        args = args[1:]
     return CurKVCLI(CurKVModule, CurKVDataModule, args=args, run=run, save_config_kwargs={"overwrite": True})
 
 
