@@ -1,0 +1,257 @@
+"""``curkv-train plan --recipe NAME``: parameters, bytes per GPU and tokens per step of a recipe, without running it.
+
+The base model is built on the meta device from its config (shipped for the Llama-2
+recipes), so the numbers come from the real module shapes. Per GPU, for the recipe's
+strategy, devices, nodes, per-device batch and the curriculum's longest stage
+(N context + M continuation tokens, batch b, base dtype of s bytes):
+
+- weights: base parameters × s, divided by the world size under FSDP full shard,
+  replicated under DDP; FSDP also holds the gathered root unit (embeddings, head,
+  final norm: gathered for the whole step) and one gathered decoder layer.
+- KV capture: 2 × layers × kv_heads × head_dim × s × N × b.
+- activations of the continuation's backward, with one layer's internals
+  A = b × M × (4·hidden + 3·intermediate) × s (q, k, v, o, MLP)
+    + b × heads × M × (N + M) × 4 (attention probabilities, fp32, on the reference
+      path; the fused Triton kernel does not materialise them):
+  with activation checkpointing on decoder layers (the FSDP recipe)
+      layers × b × M × hidden × s (each layer's checkpointed input) + A (one layer recomputed),
+  without it (DDP) layers × (b × M × hidden × s + A); both
+  + layers × b × kv_heads × N × (head_dim / hidden_divisor + 2) × 4 (estimator)
+  + 2 × kl_chunk_size × b × vocab × 4 (teacher and student logits of one KL chunk).
+- estimator + AdamW: parameters × 4 bytes × 4 (fp32 weights, grads, two moments),
+  divided by the world size under FSDP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+from jsonargparse import ArgumentParser
+
+from curkv_train.errors import CurKVError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP32 = 4
+
+
+@dataclass
+class Plan:
+    """Sizes of one recipe's training step; bytes are per GPU unless named otherwise."""
+
+    recipe: str
+    base_model: str
+    strategy: str
+    devices: int
+    num_nodes: int
+    world_size: int
+    batch_per_device: int
+    context_length: int
+    continuation_length: int
+    base_dtype: str
+    base_parameters: int
+    estimator_parameters: int
+    kv_bytes_per_token: int
+    weight_bytes: int
+    gathered_weight_bytes: int
+    kv_capture_bytes: int
+    activation_bytes: int
+    estimator_optimizer_bytes: int
+    total_bytes: int
+    activation_checkpointing: bool
+    tokens_per_step: int
+    continuation_tokens_per_step: int
+
+
+def parse_recipe(recipe: str, overrides: list[str] | None = None):
+    """The recipe's resolved config (base layer, recipe, ``overrides``) through the real CLI parser.
+
+    Nothing is instantiated: no model, no data, no trainer (so no GPU is needed).
+    """
+    from curkv_train.cli import CurKVCLI
+    from curkv_train.data.datamodule import CurKVDataModule
+    from curkv_train.recipes import recipe_config_args
+    from curkv_train.system import CurKVModule
+
+    class ParseOnlyCLI(CurKVCLI):
+        def instantiate_classes(self) -> None:
+            """Parsing is all a plan needs."""
+
+    args = recipe_config_args(recipe) + list(overrides or [])
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            return ParseOnlyCLI(CurKVModule, CurKVDataModule, args=args, run=False).config
+    finally:
+        seed_log.setLevel(level)
+
+
+def strategy_kind(strategy) -> str:
+    """``fsdp``, ``ddp`` or ``single`` for a trainer.strategy value (a name or a class_path config)."""
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", type(strategy).__name__)
+    lowered = str(name).lower()
+    if "fsdp" in lowered:
+        return "fsdp"
+    if "ddp" in lowered:
+        return "ddp"
+    return "single"
+
+
+def activation_checkpointing(strategy) -> bool:
+    """Whether a trainer.strategy config turns on Lightning's activation checkpointing (FSDP)."""
+    init_args = getattr(strategy, "init_args", None)
+    return bool(init_args is not None and (getattr(init_args, "activation_checkpointing_policy", None)
+                                           or getattr(init_args, "activation_checkpointing", None)))
+
+
+def longest_stage(config) -> tuple[int, int]:
+    """(context, continuation) tokens of the longest curriculum stage, or of the data section without one."""
+    context, continuation = config.data.context_length, config.data.continuation_length
+    longest = (context, continuation)
+    for callback in config.trainer.callbacks or []:
+        if not str(getattr(callback, "class_path", "")).endswith(".Curriculum"):
+            continue
+        for stage in callback.init_args.stages:
+            stage = stage if isinstance(stage, dict) else vars(stage)
+            context = stage.get("context_length") or context
+            continuation = stage.get("continuation_length") or continuation
+            if context + continuation > sum(longest):
+                longest = (context, continuation)
+    return longest
+
+
+def _count(tensors) -> int:
+    return sum(tensor.numel() for tensor in tensors)
+
+
+def _as_int(value, name: str) -> int:
+    if isinstance(value, int) and value > 0:
+        return value
+    raise CurKVError(f"the recipe's trainer.{name} is {value!r}; pass --{name} N to plan for N")
+
+
+def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
+    """Build the recipe's base on the meta device and size one training step (see the module docstring)."""
+    from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config
+    from curkv_train.models.estimator import ValueEstimator
+
+    config = parse_recipe(recipe, overrides)
+    model_hp, trainer = config.model, config.trainer
+    model_config = load_model_config(model_hp.base_model)
+    dtype_name = model_hp.base_dtype
+    dtype_bytes = DTYPE_BYTES[dtype_name]
+    base = build_meta_model(model_config, dtype=getattr(torch, dtype_name))
+    shape = kv_shape(model_config)
+    estimator = ValueEstimator(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                               hidden_divisor=model_hp.hidden_divisor)
+
+    kind = strategy_kind(trainer.strategy)
+    devices, nodes = _as_int(trainer.devices, "devices"), _as_int(trainer.num_nodes, "num_nodes")
+    world = devices * nodes
+    batch = config.data.batch_size
+    context, continuation = longest_stage(config)
+
+    base_parameters = _count(base.parameters())
+    layers = base.model.layers
+    layer_parameters = _count(layers[0].parameters())
+    root_parameters = base_parameters - _count(layers.parameters())
+    estimator_parameters = _count(estimator.parameters())
+
+    sharded = kind == "fsdp"
+    weight_bytes = base_parameters * dtype_bytes // (world if sharded else 1)
+    gathered = (root_parameters + layer_parameters) * dtype_bytes if sharded else 0
+    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+    kv_capture = kv_per_token * context * batch
+    hidden, intermediate = model_config.hidden_size, model_config.intermediate_size
+    layer_input = batch * continuation * hidden * dtype_bytes
+    layer_internal = (batch * continuation * (4 * hidden + 3 * intermediate) * dtype_bytes
+                      + batch * shape.num_attention_heads * continuation * (context + continuation) * FP32)
+    checkpointed = activation_checkpointing(trainer.strategy)
+    layers_saved = shape.num_layers * layer_input + (1 if checkpointed else shape.num_layers) * layer_internal
+    activations = (layers_saved
+                   + shape.num_layers * batch * shape.num_kv_heads * context
+                   * (shape.head_dim // model_hp.hidden_divisor + 2) * FP32
+                   + 2 * model_hp.kl_chunk_size * batch * model_config.vocab_size * FP32)
+    optimizer = estimator_parameters * FP32 * 4 // (world if sharded else 1)
+    total = weight_bytes + gathered + kv_capture + activations + optimizer
+    return Plan(recipe, model_hp.base_model, kind, devices, nodes, world, batch, context, continuation, dtype_name,
+                base_parameters, estimator_parameters, kv_per_token, weight_bytes, gathered, kv_capture,
+                activations, optimizer, total, checkpointed, world * batch * (context + continuation), world * batch * continuation)
+
+
+def human_bytes(count: int) -> str:
+    """``count`` bytes in binary units (KiB, MiB, GiB)."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable table of ``plan``."""
+    layout = "sharded over" if plan.strategy == "fsdp" else "replicated on"
+    rows = [
+        ("base parameters", f"{plan.base_parameters:,}", f"{plan.base_model}, {plan.base_dtype}"),
+        ("estimator parameters", f"{plan.estimator_parameters:,}", "fp32"),
+        ("KV bytes per token", human_bytes(plan.kv_bytes_per_token), "2 x layers x kv_heads x head_dim x dtype"),
+        ("weights / GPU", human_bytes(plan.weight_bytes), f"{layout} {plan.world_size} GPUs ({plan.strategy})"),
+        ("gathered units / GPU", human_bytes(plan.gathered_weight_bytes), "FSDP only: root + one decoder layer"),
+        ("KV capture / GPU", human_bytes(plan.kv_capture_bytes), f"{plan.context_length} context tokens x "
+                                                                 f"batch {plan.batch_per_device}"),
+        ("activations / GPU", human_bytes(plan.activation_bytes),
+         f"{plan.continuation_length} continuation tokens, "
+         + ("checkpointed decoder layers" if plan.activation_checkpointing else "no activation checkpointing")),
+        ("estimator + AdamW / GPU", human_bytes(plan.estimator_optimizer_bytes), "fp32 params, grads, 2 moments"),
+        ("total / GPU (estimate)", human_bytes(plan.total_bytes), "before allocator overhead"),
+        ("tokens per step", f"{plan.tokens_per_step:,}", f"{plan.world_size} GPUs x batch {plan.batch_per_device} "
+                                                         f"x ({plan.context_length} + {plan.continuation_length})"),
+        ("continuation tokens / step", f"{plan.continuation_tokens_per_step:,}", "tokens the KL is measured on"),
+    ]
+    header = (f"plan for recipe {plan.recipe}: {plan.strategy} on {plan.num_nodes} node(s) x {plan.devices} "
+              f"device(s), longest stage {plan.context_length} + {plan.continuation_length} tokens")
+    widths = [max(len(row[column]) for row in rows) for column in range(2)]
+    lines = [header] + [f"  {name:<{widths[0]}}  {value:>{widths[1]}}  {note}" for name, value, note in rows]
+    return "\n".join(lines)
+
+
+def plan_command(recipe: str, devices: int | None = None, num_nodes: int | None = None,
+                 batch_size: int | None = None, json: bool = False) -> Plan:
+    """Size one training step of a recipe per GPU, without a GPU.
+
+    Args:
+        recipe: recipe name (see ``curkv-train recipes``) or a YAML path.
+        devices: GPUs per node (default: the recipe's trainer.devices).
+        num_nodes: nodes (default: the recipe's trainer.num_nodes).
+        batch_size: blocks per GPU (default: the recipe's data.batch_size).
+        json: print JSON instead of a table.
+    """
+    overrides = [f"--trainer.{name}={value}" for name, value in (("devices", devices), ("num_nodes", num_nodes))
+                 if value is not None]
+    if batch_size is not None:
+        overrides.append(f"--data.batch_size={batch_size}")
+    return compute_plan(recipe, overrides)
+
+
+def main(args: list[str]) -> int:
+    """``curkv-train plan``: parse ``args`` from :func:`plan_command`'s signature, print the plan."""
+    parser = ArgumentParser(prog="curkv-train plan", description=plan_command.__doc__.splitlines()[0])
+    parser.add_function_arguments(plan_command)
+    # ``--json`` alone reads as ``--json=true`` (jsonargparse booleans otherwise take a value).
+    args = ["--json=true" if arg == "--json" else arg for arg in args]
+    options = parser.parse_args(args)
+    plan = plan_command(**vars(options))
+    print(json.dumps(asdict(plan), indent=2) if options.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
