@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -13,10 +14,11 @@ from torch.utils.data import DataLoader, Dataset
 from curkv_train.data.sampling import BlockSampler, ResumableLoader
 from curkv_train.data.synthetic import BUILDERS, SYNTHETIC_TASKS, Example
 from curkv_train.data.tokenized import token_stream
-from curkv_train.errors import CurKVError
+from curkv_train.errors import CurKVError, EmptySplitError
 from curkv_train.models.base import load_tokenizer
 
 DOCUMENT_KINDS = ("stdlib", "pydoc", "files", "hub")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,8 +142,14 @@ class CurKVDataModule(L.LightningDataModule):
     def stream(self, source: DataSource, split: str) -> np.ndarray:
         """Token stream behind ``source`` in ``split`` (synthetic tasks use their filler's)."""
         kind = source.filler if source.kind in SYNTHETIC_TASKS else source.kind
-        stream = token_stream(self.tokenizer, kind, split, val_fraction=source.val_fraction, path=source.path,
-                              name=source.name, text_field=source.text_field, limit=source.limit)
+        try:
+            stream = token_stream(self.tokenizer, kind, split, val_fraction=source.val_fraction, path=source.path,
+                                  name=source.name, text_field=source.text_field, limit=source.limit)
+        except EmptySplitError:
+            if split == "train":
+                raise
+            log.warning("%s has no held-out documents; validation reuses training text", kind)
+            return self.stream(source, "train")
         if source.kind not in SYNTHETIC_TASKS and len(stream) < self.context_length + self.continuation_length:
             raise CurKVError(f"data source {source.path or source.name or source.kind!r} has only {len(stream)} "
                              f"{split} tokens, fewer than one block of "

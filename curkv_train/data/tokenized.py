@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from curkv_train.data.corpora import documents, split_of
-from curkv_train.errors import CurKVError
+from curkv_train.errors import CurKVError, EmptySplitError
 from curkv_train.models.embedded import cache_root
 
 
@@ -23,13 +23,17 @@ def token_stream(tokenizer, kind: str, split: str, *, val_fraction: float = 0.1,
     ``datasets`` caches both the documents and their tokenization under the curkv
     cache folder, keyed by the source, the split and the tokenizer.
     """
-    from datasets import Dataset, disable_progress_bars
+    from datasets import Dataset, Features, Value, disable_progress_bars
 
     disable_progress_bars()
     kwargs = dict(kind=kind, split=split, val_fraction=val_fraction, path=path, name=name,
                   text_field=text_field, limit=limit)
+    where = path or name or kind
+    if next(_split_documents(**kwargs), None) is None:
+        raise EmptySplitError(f"data source {where!r} has no text in its {split} split")
     try:
-        docs = Dataset.from_generator(_split_documents, gen_kwargs=kwargs, cache_dir=str(cache_root() / "datasets"))
+        docs = Dataset.from_generator(_split_documents, gen_kwargs=kwargs, cache_dir=str(cache_root() / "datasets"),
+                                      features=Features({"id": Value("string"), "text": Value("string")}))
     except Exception as error:  # datasets wraps generator errors; surface ours unchanged
         cause = error
         while cause is not None and not isinstance(cause, CurKVError):
@@ -41,6 +45,5 @@ def token_stream(tokenizer, kind: str, split: str, *, val_fraction: float = 0.1,
                       batched=True, remove_columns=docs.column_names)
     stream = np.fromiter((t for ids in tokens["ids"] for t in ids), dtype=np.int64)
     if stream.size == 0:
-        where = path or name or kind
-        raise CurKVError(f"data source {where!r} has no text in its {split} split")
+        raise EmptySplitError(f"data source {where!r} has no text in its {split} split")
     return stream

@@ -1,0 +1,81 @@
+"""The data module: splits, block shapes, synthetic tasks, bad input."""
+
+import random
+
+import pytest
+import torch
+
+from curkv_train.data.corpora import split_of
+from curkv_train.data.datamodule import CurKVDataModule, DataSource
+from curkv_train.data.synthetic import kv_lookup, passkey, repeated_span
+from curkv_train.errors import CurKVError
+from curkv_train.models.base import TINY_RANDOM, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TINY_RANDOM)
+
+
+def test_split_is_stable_and_roughly_sized():
+    ids = [f"doc{i}" for i in range(2000)]
+    first = [split_of(i, 0.2) for i in ids]
+    assert first == [split_of(i, 0.2) for i in ids]
+    assert 0.15 < first.count("val") / len(ids) < 0.25
+
+
+def test_blocks_have_the_configured_shape_and_are_deterministic(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world, " * 400)
+    (tmp_path / "b.md").write_text("# title\n" + "some prose. " * 400)
+    data = CurKVDataModule(sources=[DataSource(kind="files", path=str(tmp_path), val_fraction=0.0)],
+                           context_length=100, continuation_length=20, window=16, batch_size=3, train_size=6)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch["input_ids"].shape == (3, 120) and batch["context_length"] == 100
+    assert torch.equal(data.datasets["train"][4]["input_ids"], data.datasets["train"][4]["input_ids"])
+
+
+def test_files_source_reads_jsonl(tmp_path):
+    (tmp_path / "rows.jsonl").write_text("\n".join('{"body": "%s"}' % ("text " * 100) for _ in range(5)))
+    data = CurKVDataModule(sources=[DataSource(kind="files", path=str(tmp_path), text_field="body",
+                                               val_fraction=0.0)],
+                           context_length=100, continuation_length=20, window=16, train_size=2)
+    data.setup("fit")
+    assert data.datasets["train"][0]["input_ids"].shape == (120,)
+
+
+def test_too_little_text_is_a_clear_error(tmp_path):
+    (tmp_path / "tiny.txt").write_text("short")
+    data = CurKVDataModule(sources=[DataSource(kind="files", path=str(tmp_path), val_fraction=0.0)],
+                           context_length=100, continuation_length=20, window=16)
+    with pytest.raises(CurKVError, match="fewer than one block"):
+        data.setup("fit")
+
+
+def test_unknown_source_kind():
+    with pytest.raises(CurKVError, match="unknown data source kind"):
+        CurKVDataModule(sources=[DataSource(kind="wikipedia")])
+
+
+@pytest.mark.parametrize("builder", [passkey, kv_lookup, repeated_span])
+def test_synthetic_examples_have_exact_length_and_answer_in_range(builder, tokenizer):
+    filler = tokenizer("The quick brown fox jumps over the lazy dog. " * 60)["input_ids"]
+    example = builder(tokenizer, filler, 300, 64, random.Random(0), protected=(4, 32))
+    assert example.input_ids.shape == (364,) and example.context_length == 300
+    assert 0 <= example.answer_start < example.answer_end <= 64
+
+
+def test_passkey_answer_is_in_the_compressible_context(tokenizer):
+    filler = tokenizer("Grass is green. " * 100)["input_ids"]
+    example = passkey(tokenizer, filler, 300, 64, random.Random(1), depth=0.5, protected=(4, 32))
+    answer = example.input_ids[300 + example.answer_start : 300 + example.answer_end].tolist()
+    key = tokenizer.decode(answer).strip(" .")
+    context = tokenizer.decode(example.input_ids[4:300 - 32].tolist())
+    assert key.isdigit() and key in context
+
+
+def test_repeated_span_copies_the_context(tokenizer):
+    filler = tokenizer("alpha beta gamma delta epsilon zeta eta theta " * 40)["input_ids"]
+    example = repeated_span(tokenizer, filler, 300, 40, random.Random(2), depth=0.0, protected=(4, 32))
+    continuation = example.input_ids[300:340].tolist()
+    assert continuation == example.input_ids[4:44].tolist()
