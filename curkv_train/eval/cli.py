@@ -70,6 +70,7 @@ def run_eval(
     kvpress_budget: str = "matched",
     dtype: str = "float32",
     backend: str = "auto",
+    batch: int = 8,
 ) -> Path:
     """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
 
@@ -95,6 +96,8 @@ def run_eval(
         kvpress_budget: ``matched`` (presses keep as many tokens as our path) or ``nominal``.
         dtype: base model dtype (float32, bfloat16, float16).
         backend: compaction kernel backend (auto, torch, triton).
+        batch: continuations of equal cache length run together, at most this many per forward
+            (memory: batch × continuation_length × vocabulary float32 logits).
     """
     if dtype not in DTYPES:
         raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
@@ -108,7 +111,7 @@ def run_eval(
     method_names = list(methods) if methods else [FULL, *BASELINES, *([CURKV] if trained else [])]
     score_functions = build_methods(method_names, trained, n_sink=n_sink, window=window)
     settings = EvalSettings(list(ratios), n_sink=n_sink, window=window, seed=seed, backend=backend,
-                            kvpress=kvpress, kvpress_budget=kvpress_budget)
+                            kvpress=kvpress, kvpress_budget=kvpress_budget, max_batch=batch)
     lengths = list(passkey_lengths) if passkey_lengths else _default_passkey_lengths(context_length, settings)
     _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths), task_names)
 
@@ -129,7 +132,7 @@ def run_eval(
               "methods": list(score_functions), "context_length": context_length,
               "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,
               "window": window, "passkey_depths": list(passkey_depths), "passkey_lengths": lengths,
-              "kvpress": kvpress, "kvpress_budget": kvpress_budget, "dtype": dtype, "backend": backend,
+              "kvpress": kvpress, "kvpress_budget": kvpress_budget, "dtype": dtype, "backend": backend, "batch": batch,
               "torch": torch.__version__, "python": platform.python_version()}
     return write_run(out, results, config)
 

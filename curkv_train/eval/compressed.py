@@ -78,3 +78,36 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
         cache_position=torch.arange(held, held + count, device=device),
     )
     return output.logits.float()
+
+
+@torch.no_grad()
+def batched_continuation_logits(model: PreTrainedModel, caches: list[DynamicCache], continuation_ids: torch.Tensor,
+                                context_length: int, max_batch: int = 8) -> list[torch.Tensor]:
+    """Logits of one continuation after each of ``caches``, caches of equal kept length run as one batch.
+
+    Args:
+        caches: single-example caches (batch 1); they are not modified.
+        continuation_ids: (1, M) the continuation.
+        max_batch: at most this many caches per forward (memory: max_batch × M × vocab logits).
+
+    Returns:
+        per cache, (1, M, vocab) float32 logits, in the order of ``caches``.
+    """
+    logits: list[torch.Tensor | None] = [None] * len(caches)
+    groups: dict[int, list[int]] = {}
+    for index, cache in enumerate(caches):
+        groups.setdefault(cache.get_seq_length(), []).append(index)
+    for members in groups.values():
+        for start in range(0, len(members), max_batch):
+            chunk = members[start : start + max_batch]
+            layers = range(len(caches[chunk[0]].layers))
+            stacked = cache_from_layers(
+                model,
+                [torch.cat([caches[i].layers[layer].keys for i in chunk]) for layer in layers],
+                [torch.cat([caches[i].layers[layer].values for i in chunk]) for layer in layers],
+            )
+            batch_logits = continuation_logits(model, stacked, continuation_ids.expand(len(chunk), -1),
+                                               context_length)
+            for row, index in enumerate(chunk):
+                logits[index] = batch_logits[row : row + 1]
+    return logits

@@ -18,7 +18,13 @@ from transformers import PreTrainedModel
 
 from curkv_train.errors import CurKVError
 from curkv_train.eval import kvpress_bridge
-from curkv_train.eval.compressed import cache_bytes, compress_prefill, continuation_logits, kept_tokens
+from curkv_train.eval.compressed import (
+    batched_continuation_logits,
+    cache_bytes,
+    compress_prefill,
+    continuation_logits,
+    kept_tokens,
+)
 from curkv_train.eval.methods import FULL, ScoreFunction
 from curkv_train.eval.metrics import add_sums, continuation_sums, finalize
 from curkv_train.eval.prefill import Prefill, prefill
@@ -36,6 +42,7 @@ class EvalSettings:
         backend: compaction kernel backend (auto, torch, triton).
         kvpress: also run kvpress's own presses (rows ``kvpress:<name>``).
         kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
+        max_batch: continuations of equal kept length run together, at most this many per forward.
     """
 
     ratios: list[float]
@@ -45,12 +52,15 @@ class EvalSettings:
     backend: str = "auto"
     kvpress: bool = False
     kvpress_budget: str = "matched"
+    max_batch: int = 8
 
     def __post_init__(self) -> None:
         bad = [ratio for ratio in self.ratios if not 0.0 <= ratio < 1.0]
         if bad or not self.ratios:
             raise CurKVError(f"compression ratios must lie in [0, 1) (0.7 drops 70 % of the compressible "
                              f"tokens), got {self.ratios}")
+        if self.max_batch < 1:
+            raise CurKVError(f"the continuation batch must be at least 1, got {self.max_batch}")
         if self.kvpress_budget not in kvpress_bridge.BUDGETS:
             raise CurKVError(f"unknown kvpress budget {self.kvpress_budget!r}; expected one of "
                              f"{', '.join(kvpress_bridge.BUDGETS)}")
@@ -97,33 +107,36 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
                                   keep_ratio=1.0)
     full_budget = _budget(full_cache, length)
     reference = continuation_logits(model, full_cache, continuation_ids, length)
-    rows = []
-
-    def measure(name: str, ratio: float, cache) -> None:
-        budget = _budget(cache, length)
-        logits = continuation_logits(model, cache, continuation_ids, length)
-        sums = continuation_sums(logits, reference, continuation_ids, example.answer)
-        rows.append((name, ratio, {**sums, **budget}))
-
-    rows.append((FULL, 0.0, {**continuation_sums(reference, reference, continuation_ids, example.answer),
-                             **full_budget}))
+    rows = [(FULL, 0.0, {**continuation_sums(reference, reference, continuation_ids, example.answer),
+                         **full_budget})]
     scores = score_layers(model, context, methods, settings, seed)
     context.queries.clear()
-    for name, per_layer in scores.items():
-        for ratio in settings.ratios:
-            measure(name, ratio, compress_prefill(model, context, per_layer, n_sink=settings.n_sink,
-                                                  window=settings.window, keep_ratio=1.0 - ratio,
-                                                  backend=settings.backend))
-    if settings.kvpress:
-        for name in kvpress_bridge.available_presses():
-            for ratio in settings.ratios:
-                press_ratio = kvpress_bridge.press_ratio(length, ratio, n_sink=settings.n_sink,
-                                                         window=settings.window, budget=settings.kvpress_budget)
-                press = kvpress_bridge.make_press(name, press_ratio, n_sink=settings.n_sink,
-                                                  window=settings.window, seed=seed)
-                measure(kvpress_bridge.PREFIX + name, ratio,
-                        kvpress_bridge.press_cache(model, name, press, context_ids, seed))
+    for ratio in settings.ratios:
+        entries = [(name, compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
+                                           keep_ratio=1.0 - ratio, backend=settings.backend))
+                   for name, per_layer in scores.items()]
+        if settings.kvpress:
+            entries += _press_caches(model, context_ids, ratio, settings, seed)
+        budgets = [_budget(cache, length) for _, cache in entries]
+        all_logits = batched_continuation_logits(model, [cache for _, cache in entries], continuation_ids, length,
+                                                 settings.max_batch)
+        for (name, _), budget, logits in zip(entries, budgets, all_logits):
+            rows.append((name, ratio, {**continuation_sums(logits, reference, continuation_ids, example.answer),
+                                       **budget}))
     return rows
+
+
+def _press_caches(model: PreTrainedModel, context_ids: torch.Tensor, ratio: float, settings: EvalSettings,
+                  seed: int) -> list[tuple[str, object]]:
+    """(``kvpress:<name>``, cache) of every installed press at compression ``ratio``: one prefill each."""
+    length = context_ids.shape[1]
+    entries = []
+    for name in kvpress_bridge.available_presses():
+        press_ratio = kvpress_bridge.press_ratio(length, ratio, n_sink=settings.n_sink, window=settings.window,
+                                                 budget=settings.kvpress_budget)
+        press = kvpress_bridge.make_press(name, press_ratio, n_sink=settings.n_sink, window=settings.window, seed=seed)
+        entries.append((kvpress_bridge.PREFIX + name, kvpress_bridge.press_cache(model, name, press, context_ids, seed)))
+    return entries
 
 
 def _tags(example: TaskExample) -> list[str]:

@@ -7,6 +7,7 @@ import torch
 
 from curkv_train.attention import CompressionState, patch_model
 from curkv_train.eval.compressed import (
+    batched_continuation_logits,
     cache_bytes,
     cache_from_layers,
     compress_prefill,
@@ -84,3 +85,19 @@ def test_average_rotation_of_one_position_is_rope(model, ids):
     scores = ExpectedAttentionScore(n_sink=N_SINK, n_future_positions=16)(ctx)
     assert scores.shape == (1, 2, CONTEXT) and torch.isfinite(scores).all()
     assert (scores[..., :N_SINK] > scores[..., N_SINK:].amax(-1, keepdim=True)).all()
+
+
+def test_batched_continuations_equal_one_by_one(model, ids):
+    context = prefill(model, ids[:, :CONTEXT], capture_queries=False)
+    generator = torch.Generator().manual_seed(1)
+    caches = []
+    for keep_ratio in (0.5, 0.5, 0.25):
+        scores = [torch.rand(keys.shape[:3], generator=generator) for keys in context.keys]
+        caches.append(compress_prefill(model, context, scores, n_sink=N_SINK, window=WINDOW, keep_ratio=keep_ratio,
+                                       backend="torch"))
+    held = [cache.get_seq_length() for cache in caches]
+    batched = batched_continuation_logits(model, caches, ids[:, CONTEXT:], CONTEXT, max_batch=8)
+    assert [cache.get_seq_length() for cache in caches] == held  # the caches were not extended
+    for cache, logits in zip(caches, batched):
+        assert torch.allclose(logits, continuation_logits(model, cache, ids[:, CONTEXT:], CONTEXT), atol=1e-5)
+    assert not torch.allclose(batched[0], batched[1], atol=1e-4)

@@ -44,7 +44,7 @@ def test_every_press_runs_with_our_budget(model):
         assert metrics["kept_tokens"] == rows["streaming_llm"]["kept_tokens"] == 4 + 16 + 38
         assert metrics["kv_bytes"] == rows["streaming_llm"]["kv_bytes"] < rows["full"]["kv_bytes"]
     # kvpress's StreamingLLM keeps the same tokens as ours at the same budget: identical continuations
-    assert rows["kvpress:streaming_llm"]["ppl"] == pytest.approx(rows["streaming_llm"]["ppl"], rel=1e-6)
+    assert rows["kvpress:streaming_llm"]["ppl"] == pytest.approx(rows["streaming_llm"]["ppl"], rel=1e-5)
     assert model.config._attn_implementation != "eager"  # ObservedAttention's eager switch was undone
 
 
