@@ -4,13 +4,20 @@ Semantics are those of :func:`curkv_train.kernels.reference.scored_attention_ref
 softmax attention with GQA, bottom-right causal masking and an additive per-key bias
 ``key_bias[b, kv_head, j]`` (0 keeps a key, -inf evicts it). The forward pass streams
 key blocks with an online softmax and saves the fp32 log-sum-exp of every query row.
-The backward pass differentiates w.r.t. ``q`` and ``key_bias`` only (keys and values
-are a frozen KV cache) with two deterministic kernels:
+The backward pass differentiates w.r.t. ``q``, ``k``, ``v`` and ``key_bias`` with two
+deterministic kernels, each launched only when one of its gradients is needed:
 
 * ``_dq_kernel``: one program per (batch, query head, query block), looping over keys.
-* ``_dbias_kernel``: one program per (batch, KV head, key block), looping over the
-  group's query heads and query blocks; the key-bias gradient is the column sum of the
-  logit gradient ``dS = P * (dP - D)``, accumulated in fp32 registers (no atomics).
+* ``_dkv_kernel``: one program per (batch, KV head, key block), looping over the group's
+  query heads and query blocks. It accumulates in fp32 registers (no atomics) the
+  key-bias gradient, the column sum of the logit gradient ``dS = P * (dP - D)``, and
+  with ``NEED_DKV`` also ``dV_j = sum_i P_ij dO_i`` and ``dK_j = scale * sum_i dS_ij q_i``
+  (summed over the group's query heads). Without ``NEED_DKV`` (a frozen cache, the
+  common case) the kernel skips both matmuls and their [BLOCK_N, HEAD_DIM] accumulators.
+
+In a multi-layer student the keys and values are [frozen context cache | the
+continuation's own K/V], and the latter depend on earlier layers' outputs, hence on
+the key bias: that is why dK and dV are supported.
 
 Every -inf case is NaN-free: the running max is replaced by 0 while it is -inf, a row
 that sees no finite logit outputs 0 and gets ``lse = -inf``, and the backward treats
@@ -25,6 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 # Block sizes under the interpreter (CPU), capped by the problem size; on CUDA the
 # kernels are autotuned over the configs below unless the caller fixes the blocks.
@@ -47,6 +55,13 @@ _DBIAS_CONFIGS = [
     (64, 128, 8, 3),
     (64, 64, 4, 3),
     (32, 64, 4, 3),
+]
+# dK / dV add two fp32 [BLOCK_N, HEAD_DIM] accumulators per program: smaller query blocks.
+_DKV_CONFIGS = [
+    (32, 128, 8, 3),
+    (32, 64, 4, 3),
+    (64, 64, 4, 3),
+    (16, 64, 4, 3),
 ]
 _TUNE_KEY = ["HEAD_DIM", "CAUSAL", "GROUP"]
 
@@ -213,15 +228,21 @@ def _dq_kernel(Q, K, V, Bias, DO, LSE, Delta, DQ, scale,
 
 
 @triton.jit
-def _dbias_kernel(Q, K, V, Bias, DO, LSE, Delta, DBias, scale,
-                  stride_qb, stride_qh, stride_qm,
-                  stride_kb, stride_kh, stride_kn,
-                  stride_vb, stride_vh, stride_vn,
-                  Hq, Hkv, M, N, GROUP,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
-    """dBias_j = sum over the group's query heads and rows of dS_ij; one program per
-    (key block, batch * KV head), fp32 register accumulation, no atomics."""
+def _dkv_kernel(Q, K, V, Bias, DO, LSE, Delta, DBias, DK, DV, scale,
+                stride_qb, stride_qh, stride_qm,
+                stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn,
+                Hq, Hkv, M, N, GROUP,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+                NEED_DKV: tl.constexpr):
+    """Key-side gradients; one program per (key block, batch * KV head), looping over the
+    group's query heads and query blocks with fp32 register accumulation (no atomics).
+
+    dBias_j = sum_{h in group, i} dS_ij always; with NEED_DKV also
+    dV_j = sum_{h, i} P_ij dO_i and dK_j = scale * sum_{h, i} dS_ij q_i, stored
+    contiguous [B, Hkv, N, HEAD_DIM] in DK / DV's dtype.
+    """
     start_n = tl.program_id(0) * BLOCK_N
     pid_bk = tl.program_id(1)
     b = (pid_bk // Hkv).to(tl.int64)
@@ -235,6 +256,8 @@ def _dbias_kernel(Q, K, V, Bias, DO, LSE, Delta, DBias, scale,
     v_t = tl.trans(v)
 
     dbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -249,8 +272,16 @@ def _dbias_kernel(Q, K, V, Bias, DO, LSE, Delta, DBias, scale,
             s = _biased_logits(q, k, bias, offs_m, offs_n, M, N, scale, CAUSAL, DOT_F32, IEEE)
             p = tl.exp(s - lse[:, None])
             dp = _dot(do, v_t, DOT_F32, IEEE)
-            dbias += tl.sum(p * (dp - delta[:, None]), 0)
+            ds = p * (dp - delta[:, None])
+            dbias += tl.sum(ds, 0)
+            if NEED_DKV:
+                dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32, IEEE)
+                dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_F32, IEEE)
     tl.store(DBias + bias_ptrs, dbias, mask=offs_n < N)
+    if NEED_DKV:
+        kv_offs = bias_ptrs[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(DK + kv_offs, (dk * scale).to(DK.dtype.element_ty), mask=offs_n[:, None] < N)
+        tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < N)
 
 
 # --------------------------------------------------------------------------- host code
@@ -267,7 +298,8 @@ def _tuned(kernel_name: str):
     kernel, configs = {
         "fwd": (_fwd_kernel, _FWD_CONFIGS),
         "dq": (_dq_kernel, _DQ_CONFIGS),
-        "dbias": (_dbias_kernel, _DBIAS_CONFIGS),
+        "dbias": (_dkv_kernel, _DBIAS_CONFIGS),
+        "dkv": (_dkv_kernel, _DKV_CONFIGS),
     }[kernel_name]
     return triton.autotune(
         configs=[
@@ -290,7 +322,8 @@ def _launch(kernel_name: str, grid_rows: int, grid_heads: int, row_meta: str, ar
     Fixed blocks (caller's, or the interpreter's defaults) launch the plain kernel;
     otherwise the CUDA autotuned wrapper picks BLOCK_M / BLOCK_N.
     """
-    kernel = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dbias": _dbias_kernel}[kernel_name]
+    kernels = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dbias": _dkv_kernel, "dkv": _dkv_kernel}
+    kernel = kernels[kernel_name]
     block_m, block_n = blocks
     if _interpreting() or block_m is not None or block_n is not None:
         block_m = block_m or _fixed_block(sizes[0])
@@ -313,12 +346,7 @@ def _check_block(name: str, block: int | None) -> None:
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor) -> None:
-    """Shape, device and gradient checks with clear messages."""
-    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-        raise ValueError(
-            "scored_attention_triton: gradients w.r.t. k and v are not supported (they are a "
-            "frozen KV cache); pass k.detach() and v.detach()"
-        )
+    """Shape, device and dtype checks with clear messages."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D: (batch, heads, seq, head_dim)")
     batch, q_heads, _, head_dim = q.shape
@@ -402,33 +430,43 @@ def _row_dot(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(ctx, grad_out):
-    """Run the backward kernels; returns (dq or None, dbias or None)."""
+    """Run the backward kernels; returns (dq, dk, dv, dbias), each None when not needed."""
     q, k, v, key_bias, out32, lse = ctx.saved_tensors
-    need_dq, need_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+    need_dq, need_dk, need_dv, need_dbias = ctx.needs_input_grad[:4]
+    need_dkv = need_dk or need_dv
     batch, q_heads, num_queries, _ = q.shape
     kv_heads, num_keys = k.shape[1], k.shape[2]
     if out32.numel() == 0 or num_keys == 0:
-        dq = torch.zeros_like(q) if need_dq else None
-        return dq, (torch.zeros_like(key_bias) if need_dbias else None)
+        zeros = [torch.zeros_like(t) if need else None
+                 for t, need in zip((q, k, v, key_bias), (need_dq, need_dk, need_dv, need_dbias))]
+        return tuple(zeros)
     grad_out = grad_out.contiguous()
     delta = _row_dot(out32, grad_out)
     shared = (*_strides(q, k, v), q_heads, kv_heads, num_queries, num_keys, q_heads // kv_heads)
     meta = _meta(q, ctx.causal)
     sizes = (num_queries, num_keys)
-    dq = dbias = None
+    dq = dk = dv = dbias = None
     if need_dq:
         dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         args = (q, k, v, key_bias, grad_out, lse, delta, dq, ctx.scale, *shared)
         _launch("dq", num_queries, batch * q_heads, "BLOCK_M", args, meta, ctx.blocks, sizes)
-    if need_dbias:
+    if need_dbias or need_dkv:
+        # The key-bias gradient is a by-product of the key-block kernel: always stored.
+        # Without NEED_DKV the kernel never touches DK / DV: dbias stands in for them.
         dbias = torch.empty_like(key_bias)
-        args = (q, k, v, key_bias, grad_out, lse, delta, dbias, ctx.scale, *shared)
-        _launch("dbias", num_keys, batch * kv_heads, "BLOCK_N", args, meta, ctx.blocks, sizes)
-    return dq, dbias
+        dk_buf = torch.empty(k.shape, device=k.device, dtype=k.dtype) if need_dkv else dbias
+        dv_buf = torch.empty(v.shape, device=v.device, dtype=v.dtype) if need_dkv else dbias
+        args = (q, k, v, key_bias, grad_out, lse, delta, dbias, dk_buf, dv_buf, ctx.scale, *shared)
+        _launch("dkv" if need_dkv else "dbias", num_keys, batch * kv_heads, "BLOCK_N", args,
+                {**meta, "NEED_DKV": need_dkv}, ctx.blocks, sizes)
+        dk = dk_buf if need_dk else None
+        dv = dv_buf if need_dv else None
+        dbias = dbias if need_dbias else None
+    return dq, dk, dv, dbias
 
 
 class _ScoredAttention(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, bias, the fp32 output and lse; grads for q and key_bias.
+    """Autograd wrapper: saves q, k, v, bias, the fp32 output and lse; grads for q, k, v, key_bias.
 
     The fp32 output (B*Hq*M*d*4 bytes, kept only when a gradient is needed) keeps
     D = rowsum(dO * O) free of the output's fp16/bf16 rounding, which otherwise dominates
@@ -437,7 +475,7 @@ class _ScoredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_bias, scale, causal, blocks):
-        keep_f32 = ctx.needs_input_grad[0] or ctx.needs_input_grad[3]
+        keep_f32 = any(ctx.needs_input_grad[:4])
         out, lse, out32 = _forward(q, k, v, key_bias, scale, causal, blocks, keep_f32)
         if keep_f32:
             ctx.save_for_backward(q, k, v, key_bias, out32, lse)
@@ -445,9 +483,10 @@ class _ScoredAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
-        dq, dbias = _backward(ctx, grad_out)
-        return dq, None, None, dbias, None, None, None
+        dq, dk, dv, dbias = _backward(ctx, grad_out)
+        return dq, dk, dv, dbias, None, None, None
 
 
 def scored_attention_triton(
@@ -461,7 +500,7 @@ def scored_attention_triton(
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Fused attention with an additive per-key bias (Triton), differentiable in q and key_bias.
+    """Fused attention with an additive per-key bias (Triton), differentiable in q, k, v, key_bias.
 
     Computes ``softmax(q k^T * scale + key_bias [+ causal mask]) v`` per query head, with
     query head h reading KV head ``h // (q_heads / kv_heads)``; fp32 accumulation.
@@ -469,8 +508,8 @@ def scored_attention_triton(
     Args:
         q: (batch, q_heads, M, head_dim) queries, fp16 / bf16 / fp32; head_dim a power of
             two >= 16.
-        k: (batch, kv_heads, N, head_dim) keys, q's dtype; must not require grad.
-        v: (batch, kv_heads, N, head_dim) values, q's dtype; must not require grad.
+        k: (batch, kv_heads, N, head_dim) keys, q's dtype; gradient in its dtype.
+        v: (batch, kv_heads, N, head_dim) values, q's dtype; gradient in its dtype.
         key_bias: (batch, kv_heads, N) bias added to every logit of that key (0 keeps,
             -inf evicts); computed in fp32, gradient returned in its dtype. A row whose
             visible keys are all -inf outputs 0.
@@ -483,7 +522,7 @@ def scored_attention_triton(
         (batch, q_heads, M, head_dim) tensor in q's dtype.
 
     Raises:
-        ValueError: k or v requires grad (with grad mode on), or bad shapes / dtypes.
+        ValueError: bad shapes, dtypes, devices or block sizes.
     """
     _validate(q, k, v, key_bias)
     _check_block("block_m", block_m)

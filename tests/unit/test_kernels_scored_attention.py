@@ -197,15 +197,6 @@ def test_reference_gradcheck(causal):
     )
 
 
-@pytest.mark.parametrize("frozen", ["k", "v"])
-def test_kv_gradients_raise(frozen):
-    q, k, v, bias = make_inputs(torch.float32, batch=1, q_heads=2, kv_heads=1)
-    tensors = {"k": k, "v": v}
-    tensors[frozen].requires_grad_()
-    with pytest.raises(ValueError, match="gradients w.r.t. k and v are not supported"):
-        scored_attention_triton(q, tensors["k"], tensors["v"], bias)
-
-
 def test_invalid_shapes_raise():
     q, k, v, bias = make_inputs(torch.float32, batch=1, q_heads=3, kv_heads=2)
     with pytest.raises(ValueError, match="multiple"):
