@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 
@@ -41,12 +40,7 @@ def assert_same_estimator(expected: dict, actual: dict, atol: float) -> None:
         assert difference <= atol, f"{key} differs by {difference:.3g} > {atol}"
 
 
-@pytest.fixture
-def checkpoint_callback():
-    """A ModelCheckpoint config writing last.ckpt into ``<dir>`` every ``every`` steps."""
-
-    def make(dirpath: Path, every: int) -> dict:
-        return {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                "init_args": {"dirpath": str(dirpath), "save_last": True, "every_n_train_steps": every}}
-
-    return make
+def checkpoint_callback(dirpath: Path, every: int) -> dict:
+    """A ModelCheckpoint config writing last.ckpt into ``dirpath`` every ``every`` steps."""
+    return {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": str(dirpath), "save_last": True, "every_n_train_steps": every}}

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 import torch
-from conftest import assert_same_estimator, estimator_state, run_fit
+from fit_helpers import assert_same_estimator, checkpoint_callback, estimator_state, run_fit
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,7 @@ STAGES = [
 ]
 
 
-def config(ckpt_dir, checkpoint_callback, kill_after: int | None = None) -> dict:
+def config(ckpt_dir, kill_after: int | None = None) -> dict:
     callbacks = [{"class_path": "curkv_train.callbacks.guards.NonFiniteLossGuard"},
                  {"class_path": "curkv_train.callbacks.curriculum.Curriculum", "init_args": {"stages": STAGES}},
                  checkpoint_callback(ckpt_dir, CHECKPOINT_EVERY)]
@@ -30,17 +30,17 @@ def config(ckpt_dir, checkpoint_callback, kill_after: int | None = None) -> dict
             "data": {"context_length": 96, "continuation_length": 8, "batch_size": 2, "train_size": 64}}
 
 
-def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path, checkpoint_callback):
-    whole = run_fit(config(tmp_path / "whole" / "ckpt", checkpoint_callback), tmp_path / "whole")
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
+    whole = run_fit(config(tmp_path / "whole" / "ckpt"), tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     killed_dir = tmp_path / "killed"
-    killed = run_fit(config(killed_dir / "ckpt", checkpoint_callback, kill_after=KILL_AFTER), killed_dir)
+    killed = run_fit(config(killed_dir / "ckpt", kill_after=KILL_AFTER), killed_dir)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     at_kill = torch.load(killed_dir / "ckpt" / "last.ckpt", weights_only=False)
     assert at_kill["global_step"] == KILL_AFTER // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # step 4, mid-epoch
 
-    resumed = run_fit(config(killed_dir / "ckpt", checkpoint_callback), killed_dir, "--ckpt_path", "last")
+    resumed = run_fit(config(killed_dir / "ckpt"), killed_dir, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     final = torch.load(killed_dir / "ckpt" / "last.ckpt", weights_only=False)

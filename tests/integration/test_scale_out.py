@@ -2,14 +2,14 @@
 1 process × batch 2 (the loss is a mean over equal-length continuations, so the averaged gradients match)."""
 
 import pytest
-from conftest import assert_same_estimator, estimator_state, run_fit
+from fit_helpers import assert_same_estimator, checkpoint_callback, estimator_state, run_fit
 
 pytestmark = pytest.mark.integration
 
 STEPS = 3
 
 
-def config(ckpt_dir, checkpoint_callback, per_process_batch: int) -> dict:
+def config(ckpt_dir, per_process_batch: int) -> dict:
     return {"trainer": {"max_steps": STEPS, "limit_val_batches": 0, "logger": False, "accelerator": "cpu",
                         "enable_progress_bar": False, "enable_model_summary": False,
                         "callbacks": [checkpoint_callback(ckpt_dir, STEPS)]},
@@ -19,11 +19,11 @@ def config(ckpt_dir, checkpoint_callback, per_process_batch: int) -> dict:
             "data": {"batch_size": per_process_batch, "train_size": 32}}
 
 
-def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path, checkpoint_callback):
-    single = run_fit(config(tmp_path / "single" / "ckpt", checkpoint_callback, 2), tmp_path / "single",
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    single = run_fit(config(tmp_path / "single" / "ckpt", 2), tmp_path / "single",
                      "--trainer.devices", "1")
     assert single.returncode == 0, single.stderr[-3000:]
-    ddp = run_fit(config(tmp_path / "ddp" / "ckpt", checkpoint_callback, 1), tmp_path / "ddp",
+    ddp = run_fit(config(tmp_path / "ddp" / "ckpt", 1), tmp_path / "ddp",
                   "--trainer.devices", "2", "--trainer.strategy", "ddp")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert "world_size: 2" in ddp.stderr or "MEMBER: 2/2" in ddp.stderr, ddp.stderr[-3000:]
