@@ -11,8 +11,9 @@ strategy, devices, nodes, per-device batch and the curriculum's longest stage
 - KV capture: 2 × layers × kv_heads × head_dim × s × N × b.
 - activations of the continuation's backward, with one layer's internals
   A = b × M × (4·hidden + 3·intermediate) × s (q, k, v, o, MLP)
-    + b × heads × M × (N + M) × 4 (attention probabilities, fp32, on the reference
-      path; the fused Triton kernel does not materialise them):
+    + b × heads × M × (N + M) × 4 with ``model.backend: torch`` (the reference path keeps
+      the fp32 attention probabilities), else b × heads × M × 4 (the fused kernel keeps
+      one log-sum-exp per query row):
   with activation checkpointing on decoder layers (the FSDP recipe)
       layers × b × M × hidden × s (each layer's checkpointed input) + A (one layer recomputed),
   without it (DDP) layers × (b × M × hidden × s + A); both
@@ -171,8 +172,9 @@ def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
     kv_capture = kv_per_token * context * batch
     hidden, intermediate = model_config.hidden_size, model_config.intermediate_size
     layer_input = batch * continuation * hidden * dtype_bytes
+    attended = context + continuation if model_hp.backend == "torch" else 1
     layer_internal = (batch * continuation * (4 * hidden + 3 * intermediate) * dtype_bytes
-                      + batch * shape.num_attention_heads * continuation * (context + continuation) * FP32)
+                      + batch * shape.num_attention_heads * continuation * attended * FP32)
     checkpointed = activation_checkpointing(trainer.strategy)
     layers_saved = shape.num_layers * layer_input + (1 if checkpointed else shape.num_layers) * layer_internal
     activations = (layers_saved

@@ -35,7 +35,7 @@ def test_llama2_70b_per_gpu_bytes_by_hand(plan_70b):
     assert plan_70b.gathered_weight_bytes == (root + layer) * 2
     assert plan_70b.activation_checkpointing
     checkpointed_inputs = 80 * 512 * 8192 * 2
-    one_layer = 512 * (4 * 8192 + 3 * 28672) * 2 + 64 * 512 * 4096 * 4
+    one_layer = 512 * (4 * 8192 + 3 * 28672) * 2 + 64 * 512 * 4  # fused kernel: one log-sum-exp per row
     estimator = 80 * 8 * 3584 * (128 // 4 + 2) * 4
     kl_chunk = 2 * 64 * 32000 * 4
     assert plan_70b.activation_bytes == checkpointed_inputs + one_layer + estimator + kl_chunk
@@ -46,6 +46,11 @@ def test_more_nodes_shard_further_and_double_the_tokens():
     plan = compute_plan("llama2-70b", ["--trainer.num_nodes=2"])
     assert plan.world_size == 16 and plan.weight_bytes == LLAMA2_70B_PARAMETERS * 2 // 16
     assert plan.tokens_per_step == 16 * 4096
+
+
+def test_reference_attention_path_keeps_the_probabilities(plan_70b):
+    plan = compute_plan("llama2-70b", ["--model.backend=torch"])
+    assert plan.activation_bytes - plan_70b.activation_bytes == 64 * 512 * (4096 - 1) * 4
 
 
 def test_llama2_7b_replicates_under_ddp():
