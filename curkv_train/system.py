@@ -147,7 +147,8 @@ class CurKVModule(L.LightningModule):
             raise CurKVError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's {positions} positions")
         capture = prefill_context(self.base, input_ids[:, :context_length], self.hparams.key_view)
         continuation = input_ids[:, context_length:]
-        state = CompressionState("capture" if capture_attention else "full", context_length)
+        state = CompressionState("capture" if capture_attention else "full", context_length,
+                                 backend=self.hparams.backend)
         with torch.no_grad():
             teacher = continue_from(self.base, capture, continuation, state)
         capture.attention_mass = state.attention_mass
