@@ -12,7 +12,8 @@ STEPS = 3
 def config(ckpt_dir, per_process_batch: int) -> dict:
     return {"trainer": {"max_steps": STEPS, "limit_val_batches": 0, "logger": False, "accelerator": "cpu",
                         "enable_progress_bar": False, "enable_model_summary": False,
-                        "callbacks": [checkpoint_callback(ckpt_dir, STEPS)]},
+                        "callbacks": [{"class_path": "curkv_train.callbacks.guards.NonFiniteLossGuard"},
+                                      checkpoint_callback(ckpt_dir, STEPS)]},
             # The budget penalty is a function of the batch-mean keep score, not a mean of per-example
             # terms, so it is switched off here: with it, the per-rank penalties average to something else.
             "model": {"backend": "torch", "window": 16, "budget_weight": 0.0},
