@@ -2,7 +2,8 @@
 
 The options are the typed signature of :func:`run_eval` (jsonargparse), so ``--help``
 always matches it. Lists are comma-separated (``--ratios 0.3,0.5,0.7``); options may be
-spelled with dashes or underscores (``--context-length`` = ``--context_length``).
+spelled with dashes or underscores (``--context-length`` = ``--context_length``) and a
+boolean option alone means true (``--kvpress``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import inspect
 import platform
 import sys
 from pathlib import Path
+from typing import Literal
 
 import torch
 from jsonargparse import ArgumentParser
@@ -67,9 +69,9 @@ def run_eval(
     passkey_depths: FloatList = FloatList([0.1, 0.5, 0.9]),
     passkey_lengths: IntList | None = None,
     kvpress: bool = False,
-    kvpress_budget: str = "matched",
-    dtype: str = "float32",
-    backend: str = "auto",
+    kvpress_budget: Literal["matched", "nominal"] = "matched",
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    backend: Literal["auto", "torch", "triton"] = "auto",
     batch: int = 8,
 ) -> Path:
     """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
@@ -212,13 +214,20 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def underscore_options(args: list[str]) -> list[str]:
-    """``--context-length=5`` -> ``--context_length=5`` (the parser's spelling); values are left alone."""
+def normalize_options(args: list[str]) -> list[str]:
+    """The parser's spelling of ``args``: ``--context-length`` -> ``--context_length``, a bare
+    boolean flag (``--kvpress``) -> ``--kvpress=true``; values are left alone."""
+    flags = {name for name, parameter in inspect.signature(run_eval).parameters.items()
+             if parameter.annotation in (bool, "bool")}
     spelled = []
-    for arg in args:
+    for position, arg in enumerate(args):
         if arg.startswith("--") and len(arg) > 2:
             key, sep, value = arg[2:].partition("=")
-            arg = "--" + key.replace("-", "_") + sep + value
+            key = key.replace("-", "_")
+            following = args[position + 1] if position + 1 < len(args) else "--"
+            if key in flags and not sep and following.startswith("--"):
+                sep, value = "=", "true"
+            arg = "--" + key + sep + value
         spelled.append(arg)
     return spelled
 
@@ -227,7 +236,7 @@ def main(args: list[str]) -> int:
     """Parse ``args``, run the evaluation, print where the results are; user errors raise CurKVError."""
     parser = build_parser()
     try:
-        namespace = parser.parse_args(underscore_options(args))
+        namespace = parser.parse_args(normalize_options(args))
     except argparse.ArgumentError as error:
         raise CurKVError(" ".join(str(error).split())) from error
     run_dir = run_eval(**namespace.as_dict())

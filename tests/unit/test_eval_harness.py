@@ -116,3 +116,11 @@ def test_exported_scorer_through_the_runtime_loader(tmp_path, capsys):
                               fingerprint=runtime.model_fingerprint(type(config).from_dict(other)))
     code, err = run_cli(["--scorer", str(bad), "--out", str(tmp_path / "run2"), *SMALL], capsys)
     assert code == 2 and err.count("\n") == 1
+
+
+def test_options_take_dashes_and_bare_flags():
+    args = eval_cli.normalize_options(["--scorer", "none", "--context-length", "64", "--kvpress", "--ratios=0.5"])
+    namespace = eval_cli.build_parser().parse_args(args)
+    assert namespace.context_length == 64 and namespace.kvpress is True and namespace.ratios == [0.5]
+    assert eval_cli.build_parser().parse_args(eval_cli.normalize_options(["--scorer", "x", "--kvpress", "false"])
+                                              ).kvpress is False
