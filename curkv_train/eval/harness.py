@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.errors import CurKVError
 from curkv_train.eval import kvpress_bridge
@@ -127,7 +127,7 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
 
 
 def _press_caches(model: PreTrainedModel, context_ids: torch.Tensor, ratio: float, settings: EvalSettings,
-                  seed: int) -> list[tuple[str, object]]:
+                  seed: int) -> list[tuple[str, DynamicCache]]:
     """(``kvpress:<name>``, cache) of every installed press at compression ``ratio``: one prefill each."""
     length = context_ids.shape[1]
     entries = []

@@ -26,31 +26,29 @@ from curkv_train.runtime.scorer import Scorer
 
 ScoreFunction = Callable[[LayerContext], torch.Tensor]
 
+# name -> factory(n_sink, window): hyper-parameters that have a counterpart in the selection are aligned with it
+_FACTORIES: dict[str, Callable[[int, int], ScoreFunction]] = {
+    "random": lambda n_sink, window: RandomScore(),
+    "streaming_llm": lambda n_sink, window: StreamingLLMScore(),
+    "h2o": lambda n_sink, window: H2OScore(),
+    "snapkv": lambda n_sink, window: SnapKVScore(window_size=max(1, window)),
+    "tova": lambda n_sink, window: TOVAScore(),
+    "knorm": lambda n_sink, window: KNormScore(),
+    "curdkv": lambda n_sink, window: CurDKVScore(),
+    "expected_attention": lambda n_sink, window: ExpectedAttentionScore(n_sink=n_sink),
+}
 FULL = "full"
 CURKV = "curkv"
-BASELINES = ("random", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "curdkv", "expected_attention")
+BASELINES = tuple(_FACTORIES)
 METHODS = (FULL, *BASELINES, CURKV)
 
 
 def baseline(name: str, *, n_sink: int = 4, window: int = 64) -> ScoreFunction:
-    """The score function of baseline ``name``, its hyper-parameters aligned with the protected spans."""
-    if name == "random":
-        return RandomScore()
-    if name == "streaming_llm":
-        return StreamingLLMScore()
-    if name == "h2o":
-        return H2OScore()
-    if name == "snapkv":
-        return SnapKVScore(window_size=max(1, window))
-    if name == "tova":
-        return TOVAScore()
-    if name == "knorm":
-        return KNormScore()
-    if name == "curdkv":
-        return CurDKVScore()
-    if name == "expected_attention":
-        return ExpectedAttentionScore(n_sink=n_sink)
-    raise CurKVError(f"unknown method {name!r}; valid methods: {', '.join(METHODS)}")
+    """The score function of baseline ``name`` (SnapKV observes the last ``window`` queries,
+    ExpectedAttention leaves the ``n_sink`` sinks out of its statistics)."""
+    if name not in _FACTORIES:
+        raise CurKVError(f"unknown method {name!r}; valid methods: {', '.join(METHODS)}")
+    return _FACTORIES[name](n_sink, window)
 
 
 def build_methods(names: list[str], scorer: Scorer | None, *, n_sink: int = 4,
