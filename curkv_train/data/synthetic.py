@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from curkv_train.errors import CurKVError
+
 SYNTHETIC_TASKS = ("passkey", "kv_lookup", "repeated_span")
 
 
@@ -38,6 +40,13 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _check_room(task: str, needed: int, available: int, where: str) -> None:
+    """A CurKVError when a task's fixed text does not fit its part of the block."""
+    if needed > available:
+        raise CurKVError(f"{task} needs {needed} tokens in the {where} but the block has room for {available}; "
+                         "use longer contexts/continuations")
+
+
 def _fit(tokens: list[int], filler: list[int], length: int, rng: random.Random) -> list[int]:
     """``tokens`` followed by a random stretch of ``filler``, cut to exactly ``length``."""
     need = max(0, length - len(tokens))
@@ -58,6 +67,8 @@ def passkey(tokenizer, filler: list[int], context_length: int, continuation_leng
     question = _encode(tokenizer, "\nWhat is the pass key? The pass key is")
     answer = _encode(tokenizer, f" {key}.")
     n_sink, window = protected
+    _check_room("passkey", len(needle), context_length - n_sink - window, "compressible context")
+    _check_room("passkey", len(question) + len(answer), continuation_length, "continuation")
     depth = rng.random() if depth is None else depth
     position = _depth_position(depth, n_sink, context_length - window - len(needle))
     context = _fit([], filler, context_length - len(needle), rng)
@@ -86,6 +97,7 @@ def kv_lookup(tokenizer, filler: list[int], context_length: int, continuation_le
     asked = records[rng.choice(candidates)] if candidates else records[0]
     question = _encode(tokenizer, f"ID {asked[0]}:")
     answer = _encode(tokenizer, f" {asked[1]}")
+    _check_room("kv_lookup", len(question) + len(answer), continuation_length, "continuation")
     continuation = _fit(question + answer, filler, continuation_length, rng)
     return Example(torch.tensor(context + continuation), context_length, len(question), len(question) + len(answer))
 

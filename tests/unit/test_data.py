@@ -79,3 +79,11 @@ def test_repeated_span_copies_the_context(tokenizer):
     example = repeated_span(tokenizer, filler, 300, 40, random.Random(2), depth=0.0, protected=(4, 32))
     continuation = example.input_ids[300:340].tolist()
     assert continuation == example.input_ids[4:44].tolist()
+
+
+def test_synthetic_task_that_does_not_fit_is_a_clear_error(tokenizer):
+    filler = tokenizer("Grass is green. " * 100)["input_ids"]
+    with pytest.raises(CurKVError, match="passkey needs"):
+        passkey(tokenizer, filler, 60, 64, random.Random(1), protected=(4, 32))
+    with pytest.raises(CurKVError, match="passkey needs"):
+        passkey(tokenizer, filler, 300, 8, random.Random(1), protected=(4, 32))

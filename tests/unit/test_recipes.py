@@ -5,6 +5,7 @@ import yaml
 
 from curkv_train.cli import build_cli
 from curkv_train.recipes import list_recipes, recipe_dir
+from recipe_flags import hardware_flags
 
 
 def test_recipes_are_found_by_globbing():
@@ -15,7 +16,7 @@ def test_recipes_are_found_by_globbing():
 
 @pytest.mark.parametrize("name", list_recipes())
 def test_recipe_parses_through_lightning_cli(name, tmp_path):
-    cli = build_cli(["fit", "--recipe", name, f"--trainer.default_root_dir={tmp_path}"], run=False)
+    cli = build_cli(["fit", "--recipe", name, f"--trainer.default_root_dir={tmp_path}", *hardware_flags()], run=False)
     assert cli.model.hparams.base_model
     assert cli.datamodule.context_length > cli.model.hparams.n_sink + cli.model.hparams.window
     assert cli.datamodule.tokenizer_name == cli.model.hparams.base_model  # linked

@@ -18,10 +18,8 @@ from curkv_train.errors import CurKVError
 from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config
 from curkv_train.models.estimator import ValueEstimator
 from curkv_train.plan import parse_recipe
+from recipe_flags import ON_CPU
 
-# The Llama-2 recipes ask for GPUs; to instantiate them here, the hardware flags are swapped for CPU ones.
-ON_CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto",
-          "--trainer.plugins=null"]
 
 
 def strategy_and_plugins(recipe: str):
