@@ -8,6 +8,7 @@ from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime import CurKVCache, Scorer
+from runtime_helpers import single_threaded, random_scorer
 
 WINDOW, N_SINK = 16, 4
 TIERS_OFF = {"hot": False, "cold": False}
@@ -15,11 +16,8 @@ TIERS_OFF = {"hot": False, "cold": False}
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_threaded():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +27,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def scorer():
-    torch.manual_seed(0)
-    estimator = ValueEstimator(2, 2, 16, max_positions=2048)
-    with torch.no_grad():
-        estimator.key_weight.normal_()
-        estimator.position_weight.normal_()
-    return Scorer(estimator, n_sink=N_SINK, window=WINDOW)
+    return random_scorer(n_sink=N_SINK, window=WINDOW)
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:

@@ -4,15 +4,13 @@ import pytest
 import torch
 
 from curkv_train.runtime import cur
+from runtime_helpers import single_threaded
 
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_threaded():
+        yield
 
 
 def decaying_matrix(tokens: int = 256, channels: int = 16, seed: int = 0) -> torch.Tensor:

@@ -6,8 +6,8 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3
 
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.capture import KEY_VIEWS
-from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime import CurKVCache, Scorer
+from runtime_helpers import single_threaded, random_scorer
 
 SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
@@ -15,21 +15,13 @@ SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_threaded():
+        yield
 
 
 @pytest.fixture(scope="module")
 def scorer():
-    torch.manual_seed(0)
-    estimator = ValueEstimator(2, 2, 16, max_positions=2048)
-    with torch.no_grad():
-        estimator.key_weight.normal_()
-        estimator.position_weight.normal_()
-    return Scorer(estimator, n_sink=4, window=16)
+    return random_scorer(n_sink=4, window=16)
 
 
 def greedy(model, ids, cache=None, **options):

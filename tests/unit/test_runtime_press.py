@@ -5,24 +5,21 @@ import torch
 from transformers import DynamicCache, pipeline
 
 from curkv_train.models.base import TINY_RANDOM, load_base_model, load_tokenizer
-from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime import Scorer
 
 kvpress = pytest.importorskip("kvpress")
 from kvpress.utils import compute_n_kept  # noqa: E402
 
 from curkv_train.runtime import CurKVPress  # noqa: E402
+from runtime_helpers import random_scorer, single_threaded
 
 N_SINK, WINDOW = 4, 16
 
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_threaded():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +29,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def scorer():
-    torch.manual_seed(0)
-    estimator = ValueEstimator(2, 2, 16, max_positions=2048)
-    with torch.no_grad():
-        estimator.key_weight.normal_()
-        estimator.position_weight.normal_()
-        estimator.bias.fill_(5.0)  # high scores everywhere: protection must come from the press itself
-    return Scorer(estimator, n_sink=N_SINK, window=WINDOW)
+    # high scores everywhere: protection must come from the press itself
+    return random_scorer(n_sink=N_SINK, window=WINDOW, bias=5.0)
 
 
 def test_runs_in_kvpress_pipeline_with_promised_kept_count(model, scorer):
