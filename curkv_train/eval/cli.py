@@ -105,6 +105,7 @@ def run_eval(
         raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     task_names = check_tasks(list(tasks))
     trained = None if scorer.lower() == "none" else load_scorer_file(scorer)
+    fallback = None if base else _scorer_fallback(trained)
     base = base or _scorer_base(trained) or (DEFAULT_BASE if trained is None else None)
     if base is None:
         raise CurKVError(f"scorer {scorer!r} does not record its base model; pass --base")
@@ -117,8 +118,8 @@ def run_eval(
     lengths = list(passkey_lengths) if passkey_lengths else _default_passkey_lengths(context_length, settings)
     _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths), task_names)
 
-    model = load_base_model(base, dtype=DTYPES[dtype])
-    tokenizer = load_tokenizer(base)
+    model = load_base_model(base, fallback=fallback, dtype=DTYPES[dtype])
+    tokenizer = load_tokenizer(base, fallback=fallback)
     if trained is not None:
         trained = load_scorer_file(scorer, model)  # a loader that takes the model checks its fingerprint
         check_scorer_matches(trained, model, base)
@@ -169,6 +170,14 @@ def _scorer_base(scorer: Scorer | None) -> str | None:
         return None
     base = scorer.metadata.get("base_model")
     return (base.get("id") if isinstance(base, dict) else base) or None
+
+
+def _scorer_fallback(scorer: Scorer | None) -> str | None:
+    """The fallback base the scorer was trained with (its run's ``model.base_fallback``), if any."""
+    if scorer is None:
+        return None
+    hyper_parameters = scorer.metadata.get("training", {}).get("hyper_parameters", {})
+    return hyper_parameters.get("base_fallback")
 
 
 def _loader(path: str):

@@ -118,6 +118,21 @@ def test_exported_scorer_through_the_runtime_loader(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1
 
 
+def test_scorer_of_an_unreachable_hub_model_uses_its_training_fallback(tmp_path, capsys):
+    """A scorer trained on a hub id with a fallback evaluates offline on that fallback."""
+    from curkv_train import runtime
+    from curkv_train.models.base import load_base_model
+
+    config = load_base_model(TINY_RANDOM).config
+    scorer = Scorer(ValueEstimator(2, 2, 16, max_positions=2048), n_sink=4, window=16)
+    path = runtime.save_scorer(scorer, tmp_path / "hub", base_model="no-such-org/no-such-model",
+                               fingerprint=runtime.model_fingerprint(config),
+                               extra={"training": {"hyper_parameters": {"base_fallback": TINY_RANDOM}}})
+    code, err = run_cli(["--scorer", str(path), "--tasks", "ppl_text", "--methods", "full,curkv",
+                         "--ratios", "0.5", "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 0, err
+
+
 def test_options_take_dashes_and_bare_flags():
     args = eval_cli.normalize_options(["--scorer", "none", "--context-length", "64", "--kvpress", "--ratios=0.5"])
     namespace = eval_cli.build_parser().parse_args(args)
