@@ -1,0 +1,31 @@
+"""`curkv-train fit --recipe tiny-debug` end to end through the installed console script."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.integration
+
+
+def test_fit_tiny_debug_writes_checkpoint_tensorboard_and_config(tmp_path):
+    executable = shutil.which("curkv-train")
+    assert executable, "the package's console script is not installed"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([executable, "fit", "--recipe", "tiny-debug", f"--trainer.default_root_dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "lightning_logs" / "version_0"
+    assert (run / "config.yaml").is_file()
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 4
+    assert all(key.startswith(("estimator.", "budget.")) for key in checkpoint["state_dict"])
+    events = EventAccumulator(str(run))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/kl", "train/budget", "train/mean_keep", "val/kl_hard", "keep_layer/00"} <= scalars
+    assert any(tag.startswith("train/") and tag.endswith("items_per_sec") for tag in scalars)
