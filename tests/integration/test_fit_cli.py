@@ -16,13 +16,15 @@ def test_fit_tiny_debug_writes_checkpoint_tensorboard_and_config(tmp_path):
     assert executable, "the package's console script is not installed"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([executable, "fit", "--recipe", "tiny-debug", f"--trainer.default_root_dir={tmp_path}"],
+    # 24 steps: TokenThroughput reports tokens/s once its 20-batch window is full.
+    result = subprocess.run([executable, "fit", "--recipe", "tiny-debug", "--trainer.max_steps=24",
+                             f"--trainer.default_root_dir={tmp_path}"],
                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "lightning_logs" / "version_0"
     assert (run / "config.yaml").is_file()
     checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] == 4
+    assert checkpoint["global_step"] == 24
     assert all(key.startswith(("estimator.", "budget.")) for key in checkpoint["state_dict"])
     events = EventAccumulator(str(run))
     events.Reload()
