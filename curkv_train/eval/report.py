@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from curkv_train.eval.methods import FULL
+from curkv_train.eval.methods import CURKV, FULL
 
 BUDGET_METRICS = ("kept_tokens", "context_tokens", "kv_bytes")
 
@@ -81,6 +81,37 @@ def _cell(value: float | None, name: str) -> str:
     return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
 
 
+LOWER_IS_BETTER = {"ppl_increase_pct", "ppl", "kl", "nll"}
+
+
+def curkv_summary(results: dict) -> list[str]:
+    """Markdown lines: per task and ratio, the trained scorer's main metric against the best other method.
+
+    Every compressing method other than ``curkv`` counts as a baseline, kvpress's own presses included.
+    """
+    rows = results["rows"]
+    if not any(row["method"] == CURKV for row in rows):
+        return []
+    table = _lookup(rows)
+    baselines = [name for name in _methods(rows) if name not in (FULL, CURKV)]
+    lines = ["## Summary: curkv against the best baseline", "",
+             "| task | metric | ratio | curkv | best baseline | verdict |", "|---|---|---|---|---|---|"]
+    for task, main in results["main_metric"].items():
+        better = min if main in LOWER_IS_BETTER else max
+        for ratio in _ratios(rows):
+            ours = _metric(table, CURKV, ratio, task, main)
+            scored = [(value, name) for name in baselines
+                      if (value := _metric(table, name, ratio, task, main)) is not None]
+            if ours is None or not scored:
+                continue
+            best_value, best_name = better(scored)
+            verdict = "wins" if better(ours, best_value) == ours and ours != best_value else (
+                "ties" if ours == best_value else "loses")
+            lines.append(f"| {task} | {main} | {ratio:g} | {_cell(ours, main)} | {best_name} {_cell(best_value, main)} "
+                         f"| {verdict} |")
+    return lines + [""]
+
+
 def results_markdown(results: dict, config: dict) -> str:
     """Per task, a table per metric (method × compression ratio), then the budget each method had."""
     rows = results["rows"]
@@ -95,6 +126,7 @@ def results_markdown(results: dict, config: dict) -> str:
              "tokens per (layer, KV head); `kvpress:*` rows keep int(n·(1 − r)) of all tokens with r "
              f"{'matched to our budget' if config.get('kvpress_budget') == 'matched' else 'as given'} — "
              "the budget tables give the tokens and bytes each method actually held.", ""]
+    lines += curkv_summary(results)
     header = "| method | " + " | ".join(f"{ratio:g}" for ratio in ratios) + " |"
     rule = "|---|" + "---|" * len(ratios)
     for task, main in results["main_metric"].items():
