@@ -214,22 +214,23 @@ class CurKVModule(L.LightningModule):
             self.budget.dual_step(self._last_mean_keep, self.keep_ratio)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        ids = batch["input_ids"]
+        """KL at the recipe's target ratio (not the curriculum's current one, so checks compare)."""
+        ids, keep_ratio = batch["input_ids"], self.hparams.keep_ratio
         capture, continuation, teacher = self.teacher_pass(ids, batch["context_length"])
         for name, hard in (("kl_soft", False), ("kl_hard", True)):
-            out = self.distill(capture, continuation, teacher, keep_ratio=self.keep_ratio, hard=hard)
+            out = self.distill(capture, continuation, teacher, keep_ratio=keep_ratio, hard=hard)
             self.val_metrics[name].update(out["kl"])
-        self.val_metrics["kl_recent"].update(self.recent_window_kl(capture, continuation, teacher))
+        self.val_metrics["kl_recent"].update(self.recent_window_kl(capture, continuation, teacher, keep_ratio))
         self.log_dict({f"val/{name}": metric for name, metric in self.val_metrics.items()}, prog_bar=True,
                       batch_size=ids.shape[0])
 
-    def recent_window_kl(self, capture: ContextCapture, continuation: torch.Tensor,
-                         teacher: torch.Tensor) -> torch.Tensor:
+    def recent_window_kl(self, capture: ContextCapture, continuation: torch.Tensor, teacher: torch.Tensor,
+                         keep_ratio: float) -> torch.Tensor:
         """KL of keeping the most recent ⌈ρ·n⌉ compressible tokens (StreamingLLM), for reference."""
         recency = capture.positions.float().expand_as(capture.keys[..., 0])
         compressible = compressible_mask(capture.context_length, self.hparams.n_sink, self.hparams.window,
                                          device=continuation.device)
-        bias, _ = keep_bias(recency, compressible, temperature=1.0, keep_ratio=self.keep_ratio, hard=True)
+        bias, _ = keep_bias(recency, compressible, temperature=1.0, keep_ratio=keep_ratio, hard=True)
         student = self.student_hidden(capture, continuation, bias)
         return chunked_kl(teacher, student, self.base.get_output_embeddings(), self.hparams.kl_chunk_size)
 

@@ -105,3 +105,18 @@ def test_pre_rope_key_view_recovers_projected_keys(module):
     torch.testing.assert_close(capture.keys[0], projected, atol=1e-5, rtol=1e-5)
     relative = key_view(module.base, capture.cache.layers[0].keys, capture.positions, "end_relative")
     assert relative.shape == projected.shape
+
+
+def test_validation_measures_the_recipe_ratio_not_the_curriculum_one(module, monkeypatch):
+    seen = []
+    original = module.distill
+
+    def spy(*args, keep_ratio, hard):
+        seen.append(keep_ratio)
+        return original(*args, keep_ratio=keep_ratio, hard=hard)
+
+    monkeypatch.setattr(module, "distill", spy)
+    module.keep_ratio = 0.3  # what a curriculum stage would set
+    ids, context = batch()
+    module.validation_step({"input_ids": ids, "context_length": context}, 0)
+    assert seen == [0.5, 0.5]
