@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import scored_attention
-from curkv_train.kernels.reference import scored_attention_probs
+from curkv_train.kernels.reference import attend, scored_attention_probs
 
 ATTENTION_NAME = "curkv"
 MODES = ("full", "capture", "scored")
@@ -89,9 +89,7 @@ def curkv_attention_forward(
     probs = scored_attention_probs(query, key, bias, scale=scaling, causal=True)
     context = min(state.context_length, num_keys)
     state.attention_mass[layer] = probs[..., :context].sum(dim=-2).mean(dim=2)
-    out = torch.einsum("bhgmn,bhnd->bhgmd", probs, value.float())
-    out = out.reshape(query.shape[0], query.shape[1], query.shape[2], value.shape[-1]).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+    return attend(probs, value, query).transpose(1, 2).contiguous(), None
 
 
 def _backend(state: CompressionState | None) -> str:

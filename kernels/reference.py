@@ -89,7 +89,20 @@ def scored_attention_reference(
     Returns:
         (batch, q_heads, M, head_dim) in q's dtype. Differentiable in q and key_bias.
     """
-    probs = scored_attention_probs(q, k, key_bias, scale=scale, causal=causal)
+    return attend(scored_attention_probs(q, k, key_bias, scale=scale, causal=causal), v, q)
+
+
+def attend(probs: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Attention output from grouped probabilities.
+
+    Args:
+        probs: (batch, kv_heads, group, M, N) from :func:`scored_attention_probs`.
+        v: (batch, kv_heads, N, head_dim_v) values.
+        q: (batch, q_heads, M, head_dim) the queries (for the output shape and dtype).
+
+    Returns:
+        (batch, q_heads, M, head_dim_v) in q's dtype.
+    """
     out = torch.einsum("bhgmn,bhnd->bhgmd", probs, v.to(probs.dtype))
     return out.reshape(q.shape[0], q.shape[1], q.shape[2], v.shape[-1]).to(q.dtype)
 
