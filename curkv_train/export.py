@@ -18,6 +18,7 @@ import yaml
 from jsonargparse import CLI
 from transformers import AutoConfig, PretrainedConfig
 
+from curkv_train.core.shapes import kv_shape
 from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, resolve_model_source, tiny_llama_config
 from curkv_train.models.estimator import ValueEstimator
@@ -53,11 +54,10 @@ def base_config(name: str, fallback: str | None = None) -> PretrainedConfig:
 def build_estimator(checkpoint: dict, config: PretrainedConfig) -> ValueEstimator:
     """The checkpoint's estimator, shaped for ``config`` as CurKVModule.configure_model builds it."""
     hp = checkpoint["hyper_parameters"]
-    text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    estimator = ValueEstimator(text.num_hidden_layers, text.num_key_value_heads, head_dim,
+    shape = kv_shape(config)
+    estimator = ValueEstimator(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                hidden_divisor=hp.get("hidden_divisor", 4),
-                               max_positions=text.max_position_embeddings, init_keep=hp.get("init_keep", 0.5))
+                               max_positions=shape.max_positions, init_keep=hp.get("init_keep", 0.5))
     state = {key.removeprefix(ESTIMATOR_PREFIX): value for key, value in checkpoint["state_dict"].items()
              if key.startswith(ESTIMATOR_PREFIX)}
     if not state:

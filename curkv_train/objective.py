@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from curkv_train.core.selection import kept_count
 
 BUDGET_MODES = ("two_sided", "hinge", "lagrange")
 # Keep weight of an evicted token in the hard stage: small enough to leave the
@@ -44,17 +44,6 @@ def chunked_kl(
             _chunk_kl, teacher_flat[start:stop], student_flat[start:stop], lm_head, use_reentrant=False
         )
     return total / (batch * tokens)
-
-
-def compressible_mask(context_length: int, n_sink: int, window: int, device=None) -> torch.Tensor:
-    """(context_length,) bool: True for tokens that are neither sinks nor in the recent window."""
-    positions = torch.arange(context_length, device=device)
-    return (positions >= n_sink) & (positions < context_length - window)
-
-
-def kept_count(num_compressible: int, keep_ratio: float) -> int:
-    """Compressible tokens kept at ``keep_ratio``: ceil(ρ·n), never rounding a kept token away."""
-    return min(num_compressible, math.ceil(keep_ratio * num_compressible - 1e-9))
 
 
 def hard_keep_mask(logits: torch.Tensor, keep_ratio: float) -> torch.Tensor:

@@ -12,19 +12,15 @@ from curkv_train.distributed import clip_grad_norm, prepare_rank_zero_loading, s
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import BACKENDS
 from curkv_train.models.base import load_base_model
-from curkv_train.models.capture import KEY_VIEWS, ContextCapture, continue_from, prefill_context
+from curkv_train.core.rope import KEY_VIEWS
+from curkv_train.core.selection import check_keep_ratio, compressible_mask
+from curkv_train.core.shapes import kv_shape
+from curkv_train.models.capture import ContextCapture, continue_from, prefill_context
 from curkv_train.models.estimator import ValueEstimator
-from curkv_train.objective import BudgetController, chunked_kl, compressible_mask, keep_bias
+from curkv_train.objective import BudgetController, chunked_kl, keep_bias
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BASE_INITS = ("every_rank", "rank_zero")
-
-
-def check_keep_ratio(keep_ratio: float) -> float:
-    """``keep_ratio`` if it lies in (0, 1], else a CurKVError."""
-    if not 0.0 < keep_ratio <= 1.0:
-        raise CurKVError(f"keep_ratio must be in (0, 1], got {keep_ratio} (compression ratio = 1 - keep_ratio)")
-    return keep_ratio
 
 
 class CurKVModule(L.LightningModule):
@@ -96,12 +92,11 @@ class CurKVModule(L.LightningModule):
         # The frozen base is identical on every rank: DDP need not broadcast it (only estimator grads are reduced).
         self._ddp_params_and_buffers_to_ignore = [f"base.{name}" for name, _ in self.base.named_parameters()]
         self._ddp_params_and_buffers_to_ignore += [f"base.{name}" for name, _ in self.base.named_buffers()]
-        config = self.base.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
-        self.estimator = ValueEstimator(layers, kv_heads, head_dim, hidden_divisor=hp.hidden_divisor,
-                                        max_positions=config.max_position_embeddings, init_keep=hp.init_keep)
-        self.budget = BudgetController(layers, kv_heads, mode=hp.budget_mode, dual_lr=hp.dual_lr)
+        shape = kv_shape(self.base.config)
+        self.estimator = ValueEstimator(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                        hidden_divisor=hp.hidden_divisor, max_positions=shape.max_positions,
+                                        init_keep=hp.init_keep)
+        self.budget = BudgetController(shape.num_layers, shape.num_kv_heads, mode=hp.budget_mode, dual_lr=hp.dual_lr)
         if hp.init_scorer:
             self.load_init_scorer(hp.init_scorer)
 

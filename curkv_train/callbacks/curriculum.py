@@ -9,7 +9,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from curkv_train.errors import CurKVError
-from curkv_train.system import check_keep_ratio
+from curkv_train.core.selection import check_keep_ratio
 
 log = logging.getLogger(__name__)
 

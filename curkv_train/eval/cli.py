@@ -26,6 +26,7 @@ from curkv_train.eval.report import write_run
 from curkv_train.eval.tasks import SPAN_CUE, TASKS, build_examples, check_tasks, load_streams
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.scorer import Scorer
+from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 
 DEFAULT_BASE = "embedded:smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,7 +105,7 @@ def run_eval(
     if dtype not in DTYPES:
         raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     task_names = check_tasks(list(tasks))
-    trained = None if scorer.lower() == "none" else load_scorer_file(scorer)
+    trained = None if scorer.lower() == "none" else load_scorer(scorer)
     fallback = None if base else _scorer_fallback(trained)
     base = base or _scorer_base(trained) or (DEFAULT_BASE if trained is None else None)
     if base is None:
@@ -121,8 +122,7 @@ def run_eval(
     model = load_base_model(base, fallback=fallback, dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(base, fallback=fallback)
     if trained is not None:
-        trained = load_scorer_file(scorer, model)  # a loader that takes the model checks its fingerprint
-        check_scorer_matches(trained, model, base)
+        check_scorer_fits(trained, model)
     streams = load_streams(tokenizer, task_names)
     task_examples = {task: build_examples(task, tokenizer, streams, context_length=context_length,
                                           continuation_length=continuation_length, examples=examples, seed=seed,
@@ -178,41 +178,6 @@ def _scorer_fallback(scorer: Scorer | None) -> str | None:
         return None
     hyper_parameters = scorer.metadata.get("training", {}).get("hyper_parameters", {})
     return hyper_parameters.get("base_fallback")
-
-
-def _loader(path: str):
-    try:
-        from curkv_train.runtime import load_scorer
-    except ImportError as error:
-        raise CurKVError(f"cannot load scorer {path!r}: this installation has no curkv_train.runtime.load_scorer; "
-                         "run the baselines with --scorer none") from error
-    return load_scorer
-
-
-def load_scorer_file(path: str, model=None) -> Scorer:
-    """The exported scorer at ``path``, through the runtime's loader (imported lazily).
-
-    With ``model``, and a loader that accepts it, the loader also checks the scorer
-    was exported for this base (fingerprint).
-    """
-    loader = _loader(path)
-    if model is not None and "model" in inspect.signature(loader).parameters:
-        return loader(path, model=model)
-    return loader(path)
-
-
-def check_scorer_matches(scorer: Scorer, model, base: str) -> None:
-    """A CurKVError when the scorer's (layers, KV heads, head_dim) are not the base model's."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    expected = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
-    estimator = scorer.estimator
-    got = (estimator.num_layers, estimator.num_kv_heads, estimator.head_dim)
-    if got != expected:
-        trained_for = _scorer_base(scorer) or "another model"
-        raise CurKVError(f"scorer was trained for {trained_for} ({got[0]} layers, {got[1]} KV heads, head_dim "
-                         f"{got[2]}) but base {base!r} has {expected[0]} layers, {expected[1]} KV heads, head_dim "
-                         f"{expected[2]}; pass the --base it was exported for")
 
 
 def build_parser() -> ArgumentParser:

@@ -11,8 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.eval.prefill import Prefill
-from curkv_train.objective import compressible_mask, kept_count
-from curkv_train.runtime.selection import compress_kv, select_kept
+from curkv_train.core.selection import compress_kv, expected_kept, select_kept
 
 
 def cache_from_layers(model: PreTrainedModel, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
@@ -32,12 +31,6 @@ def cache_bytes(cache: DynamicCache) -> int:
 def kept_tokens(cache: DynamicCache) -> float:
     """Mean tokens held per (layer, KV head)."""
     return sum(layer.keys.shape[2] for layer in cache.layers) / len(cache.layers)
-
-
-def expected_kept(context_length: int, n_sink: int, window: int, keep_ratio: float) -> int:
-    """Tokens :func:`select_kept` keeps per (layer, KV head): sinks + window + ⌈ρ·n_compressible⌉."""
-    compressible = int(compressible_mask(context_length, n_sink, window).sum())
-    return context_length - compressible + kept_count(compressible, keep_ratio)
 
 
 def compress_prefill(model: PreTrainedModel, prefill: Prefill, scores: list[torch.Tensor] | None, *,

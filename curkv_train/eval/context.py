@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from curkv_train.models.capture import rotary_tables, rotate_half
+from curkv_train.core.rope import average_rotation, rotate
 
 QUERY_CHUNK = 256
 
@@ -75,7 +75,7 @@ class LayerContext:
             queries = self.queries.float()
             if self.rotary is not None:
                 cos, sin = (table.float().to(queries.device) for table in self.rotary)
-                queries = queries * cos + rotate_half(queries) * sin
+                queries = rotate(queries, cos, sin)
             self._memo["rotated"] = queries
         return self._memo["rotated"]
 
@@ -110,19 +110,6 @@ class LayerContext:
         return self.attention(self.num_tokens - size, self.num_tokens)
 
     def average_rotation(self, start: int, count: int) -> torch.Tensor:
-        """(head_dim, head_dim) RoPE rotation averaged over positions [start, start + count).
-
-        RoPE at position p maps x to cos_p·x + sin_p·rotate_half(x) = (diag(cos_p) + diag(sin_p)·P)·x,
-        so the average is diag(mean cos) + diag(mean sin)·P. Identity without rotary embeddings.
-        """
-        dim = self.keys.shape[-1]
-        eye = torch.eye(dim, device=self.keys.device)
-        if self.model is None or self.rotary is None:
-            return eye
-        positions = torch.arange(start, start + count, device=self.keys.device)
-        tables = rotary_tables(self.model, positions, self.keys)
-        if tables is None:
-            return eye
-        cos, sin = tables
-        companion = rotate_half(eye).T  # P with P @ x == rotate_half(x)
-        return torch.diag(cos.mean(dim=0)) + torch.diag(sin.mean(dim=0)) @ companion
+        """(head_dim, head_dim) RoPE rotation averaged over positions [start, start + count) (identity without RoPE)."""
+        model = self.model if self.rotary is not None else None
+        return average_rotation(model, start, count, self.keys.shape[-1], self.keys)

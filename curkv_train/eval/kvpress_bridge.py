@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.errors import CurKVError
-from curkv_train.eval.compressed import expected_kept
+from curkv_train.core.selection import expected_kept
 
 # our name -> kvpress class name; presses a kvpress version lacks are skipped
 PRESSES = {

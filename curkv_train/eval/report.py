@@ -8,28 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
+from curkv_train.core.atomic import atomic_folder, write_atomic
 from curkv_train.eval.methods import CURKV, FULL
 
 BUDGET_METRICS = ("kept_tokens", "context_tokens", "kv_bytes")
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` through a temporary file renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data.encode() if isinstance(data, str) else data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _json_value(value):
@@ -193,12 +178,11 @@ def write_tensorboard(folder: Path, results: dict) -> None:
     """
     from torch.utils.tensorboard import SummaryWriter
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        ratios = _ratios(results["rows"])
-        by_method: dict[str, list[dict]] = {}
-        for row in results["rows"]:
-            by_method.setdefault(row["method"], []).append(row)
+    ratios = _ratios(results["rows"])
+    by_method: dict[str, list[dict]] = {}
+    for row in results["rows"]:
+        by_method.setdefault(row["method"], []).append(row)
+    with atomic_folder(folder) as staging:
         for method, rows in by_method.items():
             writer = SummaryWriter(log_dir=str(staging / _slug(method)))
             for row in rows:
@@ -208,13 +192,6 @@ def write_tensorboard(folder: Path, results: dict) -> None:
                         for ratio in steps:
                             writer.add_scalar(f"{row['task']}/{name}", value, global_step=round(100 * ratio))
             writer.close()
-        old = folder.with_name(f".{folder.name}.old")
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(staging, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_run(run_dir: str | Path, results: dict, config: dict) -> Path:

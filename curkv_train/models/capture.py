@@ -17,9 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.attention import CompressionState
-
-KEY_VIEWS = ("pre_rope", "end_relative", "post_rope")
-
+from curkv_train.core.rope import key_view
 
 @dataclass
 class ContextCapture:
@@ -44,54 +42,6 @@ class ContextCapture:
     def context_length(self) -> int:
         """Number of context tokens."""
         return self.positions.numel()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The RoPE companion of ``x``: halves (a, b) -> (-b, a) on the last dim."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Invert k' = k·cos + rotate_half(k)·sin (cos, sin may carry an attention scale).
-
-    Args:
-        keys: (..., tokens, head_dim) rotated keys; cos, sin broadcastable to it.
-    """
-    return (keys * cos - rotate_half(keys) * sin) / (cos * cos + sin * sin)
-
-
-def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor):
-    """(cos, sin) of shape (*positions.shape, head_dim) for ``positions``, or None without rotary embeddings.
-
-    ``positions`` is (tokens,) or has leading dims, e.g. (batch, kv_heads, tokens) when
-    each head holds a different set of tokens.
-    """
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
-    if rotary is None:
-        return None
-    cos, sin = rotary(like, positions.reshape(1, -1))
-    shape = (*positions.shape, cos.shape[-1])
-    return cos[0].float().reshape(shape), sin[0].float().reshape(shape)
-
-
-def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor, view: str) -> torch.Tensor:
-    """Keys (..., tokens, head_dim) post-RoPE at ``positions`` -> the estimator's key view.
-
-    ``positions`` is (tokens,) or matches the keys' leading dims, e.g. (batch, kv_heads, tokens).
-    """
-    if view not in KEY_VIEWS:
-        raise ValueError(f"unknown key view {view!r}; expected one of {', '.join(KEY_VIEWS)}")
-    if view == "post_rope":
-        return keys.float()
-    if view == "end_relative":
-        last = positions[-1] if positions.dim() == 1 else positions.max()
-        positions = torch.full_like(positions, int(last))
-    tables = rotary_tables(model, positions, keys)
-    if tables is None:
-        return keys.float()
-    cos, sin = tables
-    return unrotate(keys.float(), cos, sin)
 
 
 def cache_layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

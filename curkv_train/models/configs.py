@@ -10,46 +10,19 @@ gated Llama-2 repositories.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from curkv_train.core.shapes import KVShape, kv_shape  # noqa: F401  (re-exported for plan)
 from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, freeze, hub_reachable, resolve_model_source, tiny_llama_config
 
 log = logging.getLogger(__name__)
 
 SHIPPED_FOLDER = "model_configs"
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What the value estimator and the KV cache see of a base model.
-
-    Attributes:
-        num_layers: decoder layers.
-        num_kv_heads: KV heads per layer (GQA groups).
-        head_dim: key/value width per head.
-        num_attention_heads: query heads per layer.
-        max_positions: the model's position limit.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_attention_heads: int
-    max_positions: int
-
-
-def kv_shape(config: PretrainedConfig) -> KVShape:
-    """The :class:`KVShape` of ``config`` (head_dim = hidden / heads unless the config sets it)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return KVShape(config.num_hidden_layers, kv_heads, head_dim, config.num_attention_heads,
-                   config.max_position_embeddings)
 
 
 def shipped_config_dir() -> Path:

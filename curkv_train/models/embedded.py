@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
+from curkv_train.core.atomic import atomic_folder
 from curkv_train.errors import CurKVError
 
 log = logging.getLogger(__name__)
@@ -54,16 +53,8 @@ def embedded_model_dir(name: str) -> Path:
         return target
     gguf = embedded_gguf_path(name)
     log.warning("converting embedded model %s from %s (one time)", name, gguf)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+    with atomic_folder(target) as staging:
         _convert_gguf(gguf, staging)
-        os.replace(staging, target)
-    except OSError:
-        if not (target / "config.json").is_file():  # another process did not win the race
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -137,8 +137,3 @@ class ValueEstimator(nn.Module):
         """Logits for one layer: keys/values (batch, kv_heads, tokens, head_dim) -> (batch, kv_heads, tokens)."""
         index = torch.tensor([layer], device=self.bias.device)
         return self.forward(keys[None], values[None], positions, end, layers=index)[0]
-
-
-def keep_scores(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Keep scores s = σ(z / T), same shape as ``logits``."""
-    return torch.sigmoid(logits / temperature)

@@ -43,15 +43,14 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from curkv_train.errors import CurKVError
+from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, compress_kv, kept_count, select_kept
+from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
-from curkv_train.objective import kept_count
 from curkv_train.runtime import cur
 from curkv_train.runtime.scorer import Scorer
-from curkv_train.runtime.selection import compress_kv, select_kept
 
 log = logging.getLogger(__name__)
 
-ADAPTIVE = "adaptive"
 ScoreFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
@@ -60,16 +59,6 @@ def adaptive_keep_ratio(tokens: int) -> float:
     if tokens < 1024:
         return 1.0
     return 0.5 if tokens <= 4096 else 0.3
-
-
-def check_cache_keep_ratio(keep_ratio: float | str) -> float | str:
-    """``keep_ratio`` if it is ``"adaptive"`` or a number in (0, 1], else a CurKVError."""
-    if keep_ratio == ADAPTIVE:
-        return keep_ratio
-    if isinstance(keep_ratio, str) or not 0.0 < float(keep_ratio) <= 1.0:
-        raise CurKVError(f"keep_ratio must be in (0, 1] or 'adaptive', got {keep_ratio!r} "
-                         "(compression ratio = 1 - keep_ratio)")
-    return float(keep_ratio)
 
 
 @dataclass(frozen=True)
@@ -92,7 +81,7 @@ class TierSettings:
     backend: str
 
     def __post_init__(self) -> None:
-        check_cache_keep_ratio(self.keep_ratio)
+        check_keep_ratio(self.keep_ratio, allow_adaptive=True)
         if self.window < 1 or self.n_sink < 0 or self.hot_tokens < self.window or self.warm_tokens < 0:
             raise CurKVError(f"need window >= 1, n_sink >= 0, hot_windows >= 1 and warm_windows >= 0; got window "
                              f"{self.window}, n_sink {self.n_sink}, hot {self.hot_tokens}, warm {self.warm_tokens} tokens")
@@ -329,13 +318,9 @@ class CurKVLayer(CacheLayerMixin):
         self._map_batch(lambda t: t[indices])
 
 
-def check_model_shapes(scorer: Scorer, model: PreTrainedModel) -> None:
-    """CurKVError unless ``scorer`` fits ``model``'s layers and KV heads and the model attends fully."""
-    config, estimator = model.config.get_text_config(decoder=True), scorer.estimator
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if (estimator.num_layers, estimator.num_kv_heads) != (config.num_hidden_layers, kv_heads):
-        raise CurKVError(f"scorer is for {estimator.num_layers} layers × {estimator.num_kv_heads} KV heads, "
-                         f"the model has {config.num_hidden_layers} × {kv_heads}; load the matching scorer")
+def check_full_attention(model: PreTrainedModel) -> None:
+    """CurKVError unless every layer of ``model`` attends fully (a warning for a configured sliding window)."""
+    config = text_config(model.config)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise CurKVError(f"CurKVCache supports full-attention layers only, the model has {sorted(layer_types)}")
@@ -380,16 +365,18 @@ class CurKVCache(Cache):
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
                  compensation_ratio: float = 0.05, max_kept_tokens: int | None = None,
                  backend: str = "auto") -> None:
-        if not isinstance(scorer, Scorer):
-            from curkv_train.runtime.serialization import load_scorer
+        from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 
+        if isinstance(scorer, Scorer):
+            check_scorer_fits(scorer, model)
+        else:
             scorer = load_scorer(scorer, model=model)
+        check_full_attention(model)
         self.scorer, self.model = scorer, model
-        check_model_shapes(scorer, model)
         window = scorer.window if window is None else window
         half = max(1, scorer.estimator.head_dim // 2)
         self.settings = TierSettings(
-            keep_ratio=check_cache_keep_ratio(keep_ratio), n_sink=scorer.n_sink if n_sink is None else n_sink,
+            keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True), n_sink=scorer.n_sink if n_sink is None else n_sink,
             window=window, hot_tokens=window * (hot_windows if hot else 1),
             warm_tokens=window * warm_windows if warm else 0, cold=cold, cold_block=cold_block or 4 * window,
             cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,

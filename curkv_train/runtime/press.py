@@ -31,7 +31,7 @@ class CurKVPress(ScorerPress):
 
     Budget: kvpress keeps ``max(1, int(n·(1 − compression_ratio)))`` of *all* n tokens,
     protected ones included, while curkv-train's own selection
-    (:func:`curkv_train.runtime.selection.select_kept`) keeps the protected tokens plus
+    (:func:`curkv_train.core.selection.select_kept`) keeps the protected tokens plus
     ⌈ρ·n_compressible⌉ of the rest. Here the protected tokens come out of kvpress's
     budget, so slightly fewer compressible tokens survive at the same ratio (and only
     part of the protected span if the budget is smaller than it).

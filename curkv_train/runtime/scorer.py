@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from curkv_train.models.capture import key_view
+from curkv_train.core.rope import key_view
 from curkv_train.models.estimator import ValueEstimator
 
 

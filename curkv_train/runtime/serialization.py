@@ -12,8 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
+from curkv_train.core.atomic import atomic_folder
+from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.errors import CurKVError
 from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime.scorer import Scorer
@@ -49,17 +49,16 @@ def model_fingerprint(config: PretrainedConfig) -> dict:
     Returns:
         A JSON-safe dict; two models a scorer can serve have equal fingerprints.
     """
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    text, shape = text_config(config), kv_shape(config)
     fingerprint = {
         "model_type": text.model_type,
-        "num_hidden_layers": text.num_hidden_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-        "hidden_size": text.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_size": shape.hidden_size,
         "vocab_size": text.vocab_size,
-        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+        "max_position_embeddings": shape.max_positions,
     }
     for name in ROPE_FIELDS:
         if getattr(text, name, None) is not None:
@@ -110,7 +109,8 @@ def save_scorer(scorer: Scorer, out_dir: str | os.PathLike, *, base_model: str |
     """Write ``scorer`` to ``out_dir`` as scorer.safetensors + scorer.json, atomically.
 
     Both files are written into a temporary folder beside ``out_dir`` that is then
-    renamed into place, so a reader never sees a half-written scorer.
+    renamed into place (:func:`~curkv_train.core.atomic.atomic_folder`), so a reader never
+    sees a half-written scorer.
 
     Args:
         scorer: the estimator and its settings.
@@ -124,44 +124,13 @@ def save_scorer(scorer: Scorer, out_dir: str | os.PathLike, *, base_model: str |
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise CurKVError(f"{out} already exists; pass overwrite (--overwrite true) or choose another folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = scorer_record(scorer, base_model, fingerprint, extra)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as staging:
         weights = {name: tensor.detach().cpu().contiguous() for name, tensor in scorer.estimator.state_dict().items()}
         save_file(weights, staging / WEIGHTS_FILE, metadata={"format_version": str(FORMAT_VERSION)})
         record["weights"] = {"file": WEIGHTS_FILE, "sha256": file_sha256(staging / WEIGHTS_FILE)}
         (staging / CONFIG_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        _make_readable(staging)
-        _replace_dir(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def _make_readable(folder: Path) -> None:
-    """Give a temporary folder (0700) and its files the modes a plain mkdir / open would under the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
-
-
-def _replace_dir(source: Path, target: Path) -> None:
-    """Rename ``source`` onto ``target``; an existing ``target`` is moved aside first and then removed."""
-    if not target.exists():
-        os.replace(source, target)
-        return
-    trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-    os.replace(target, trash / target.name)
-    try:
-        os.replace(source, target)
-    except OSError:
-        os.replace(trash / target.name, target)
-        raise
-    finally:
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def resolve_scorer_dir(path: str | os.PathLike) -> Path:
@@ -203,7 +172,7 @@ def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
     settings = record.get("settings", {})
     scorer = Scorer(estimator, metadata=record, **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
     if model is not None:
-        check_model(scorer, model)
+        check_scorer_fits(scorer, model)
     return scorer
 
 
@@ -232,7 +201,7 @@ def _read_record(config_path: Path) -> dict:
     return record
 
 
-def check_model(scorer: Scorer, model: PreTrainedModel) -> None:
+def check_scorer_fits(scorer: Scorer, model: PreTrainedModel) -> None:
     """Raise a CurKVError naming the differing fields if ``model`` is not the one ``scorer`` was trained on."""
     actual = model_fingerprint(model.config)
     expected = (scorer.metadata.get("base_model") or {}).get("fingerprint")

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from curkv_train.models.capture import key_view, prefill_context
-from curkv_train.objective import chunked_kl, compressible_mask, hard_keep_mask, keep_bias, kept_count
+from curkv_train.core.rope import key_view
+from curkv_train.core.selection import compressible_mask, kept_count
+from curkv_train.models.capture import prefill_context
+from curkv_train.objective import chunked_kl, hard_keep_mask, keep_bias
 from curkv_train.system import CurKVModule
 
 

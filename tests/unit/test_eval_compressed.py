@@ -6,19 +6,19 @@ import pytest
 import torch
 
 from curkv_train.attention import CompressionState, patch_model
+from curkv_train.core.rope import rotary_tables, rotate_half
+from curkv_train.core.selection import expected_kept
 from curkv_train.eval.compressed import (
     batched_continuation_logits,
     cache_bytes,
     cache_from_layers,
     compress_prefill,
     continuation_logits,
-    expected_kept,
     kept_tokens,
 )
 from curkv_train.eval.methods import ExpectedAttentionScore, StreamingLLMScore
 from curkv_train.eval.prefill import prefill
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.models.capture import rotary_tables, rotate_half
 
 N_SINK, WINDOW, CONTEXT, CONTINUATION = 4, 8, 40, 6
 

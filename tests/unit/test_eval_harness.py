@@ -19,12 +19,15 @@ SMALL = ["--context-length", "128", "--continuation-length", "48", "--examples",
          "--passkey-depths", "0.2,0.8", "--backend", "torch"]
 
 
-def use_scorer(monkeypatch, num_layers: int = 2) -> Scorer:
-    """Make the CLI's loader return a scorer built from a fresh estimator (2 layers fit the tiny model)."""
-    scorer = Scorer(ValueEstimator(num_layers, 2, 16, max_positions=2048), n_sink=4, window=16,
-                    metadata={"base_model": TINY_RANDOM})
-    monkeypatch.setattr(eval_cli, "load_scorer_file", lambda path, model=None: scorer)
-    return scorer
+def export_scorer(folder, num_layers: int = 2):
+    """A fresh estimator exported for the tiny model (``num_layers`` other than 2 records another base)."""
+    from curkv_train import runtime
+    from curkv_train.models.base import load_base_model
+
+    config = load_base_model(TINY_RANDOM).config
+    config.num_hidden_layers = num_layers
+    scorer = Scorer(ValueEstimator(num_layers, 2, 16, max_positions=2048), n_sink=4, window=16)
+    return runtime.save_scorer(scorer, folder, base_model=TINY_RANDOM, fingerprint=runtime.model_fingerprint(config))
 
 
 def run_cli(args: list[str], capsys) -> tuple[int, str]:
@@ -32,10 +35,10 @@ def run_cli(args: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_end_to_end_with_a_fresh_scorer(tmp_path, monkeypatch, capsys):
-    use_scorer(monkeypatch)
+def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
+    scorer = export_scorer(tmp_path / "scorer")
     run = tmp_path / "run"
-    code, err = run_cli(["--scorer", str(tmp_path / "scorer"), "--ratios", "0.3,0.7", "--out", str(run), *SMALL],
+    code, err = run_cli(["--scorer", str(scorer), "--ratios", "0.3,0.7", "--out", str(run), *SMALL],
                         capsys)
     assert code == 0, err
     results = json.loads((run / "results.json").read_text())
@@ -82,11 +85,11 @@ def test_bad_input_is_one_line(args, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_scorer_for_another_base_is_rejected(tmp_path, monkeypatch, capsys):
-    use_scorer(monkeypatch, num_layers=3)
-    code, err = run_cli(["--scorer", str(tmp_path), "--out", str(tmp_path / "run"), *SMALL], capsys)
-    assert code == 2
-    assert "3 layers" in err and "2 layers" in err and "--base" in err
+def test_scorer_for_another_base_is_rejected(tmp_path, capsys):
+    scorer = export_scorer(tmp_path / "scorer", num_layers=3)
+    code, err = run_cli(["--scorer", str(scorer), "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "num_hidden_layers: scorer 3 vs model 2" in err
 
 
 def test_missing_scorer_path(tmp_path, capsys):
@@ -96,22 +99,19 @@ def test_missing_scorer_path(tmp_path, capsys):
 
 def test_exported_scorer_through_the_runtime_loader(tmp_path, capsys):
     """A scorer written by the runtime's exporter loads by path; a fingerprint of another base is refused."""
-    runtime = pytest.importorskip("curkv_train.runtime")
-    if not hasattr(runtime, "save_scorer"):
-        pytest.skip("no runtime exporter in this checkout")
+    from curkv_train import runtime
     from curkv_train.models.base import load_base_model
 
-    config = load_base_model(TINY_RANDOM).config
-    scorer = Scorer(ValueEstimator(2, 2, 16, max_positions=2048), n_sink=4, window=16)
-    good = runtime.save_scorer(scorer, tmp_path / "good", base_model=TINY_RANDOM,
-                               fingerprint=runtime.model_fingerprint(config))
+    good = export_scorer(tmp_path / "good")
     code, err = run_cli(["--scorer", str(good), "--tasks", "ppl_text", "--methods", "full,streaming_llm,curkv",
                          "--ratios", "0.5", "--out", str(tmp_path / "run"), *SMALL], capsys)
     assert code == 0, err
     rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
     assert {row["method"] for row in rows} == {"full", "streaming_llm", "curkv"}
 
+    config = load_base_model(TINY_RANDOM).config
     other = config.to_dict() | {"vocab_size": config.vocab_size * 2}
+    scorer = Scorer(ValueEstimator(2, 2, 16, max_positions=2048), n_sink=4, window=16)
     bad = runtime.save_scorer(scorer, tmp_path / "bad", base_model=TINY_RANDOM,
                               fingerprint=runtime.model_fingerprint(type(config).from_dict(other)))
     code, err = run_cli(["--scorer", str(bad), "--out", str(tmp_path / "run2"), *SMALL], capsys)

@@ -18,7 +18,7 @@ from curkv_train.eval.methods import (
     TOVAScore,
     build_methods,
 )
-from curkv_train.runtime.selection import select_kept
+from curkv_train.core.selection import select_kept
 
 
 def kept(method, ctx: LayerContext, keep_ratio: float) -> list[int]:

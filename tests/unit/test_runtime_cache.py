@@ -179,7 +179,7 @@ def test_keep_ratio_outside_range_is_a_user_error(model, scorer, keep_ratio):
 
 
 def test_scorer_for_other_shapes_is_rejected(model):
-    with pytest.raises(CurKVError, match="KV heads"):
+    with pytest.raises(CurKVError, match="num_hidden_layers: scorer 3 vs model 2"):
         CurKVCache(Scorer(ValueEstimator(3, 2, 16)), model=model)
 
 

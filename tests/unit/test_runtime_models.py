@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.models.capture import KEY_VIEWS
+from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.runtime import CurKVCache, Scorer
 from runtime_helpers import single_threaded, random_scorer
 

@@ -1,6 +1,6 @@
 """Every evaluated method as a score function ``(ctx: LayerContext) -> (batch, kv_heads, tokens)``.
 
-The selection (:func:`curkv_train.runtime.selection.select_kept`) and compaction are
+The selection (:func:`curkv_train.core.selection.select_kept`) and compaction are
 shared, so methods differ in their scores only. ``full`` is the uncompressed
 reference and has no score function.
 """

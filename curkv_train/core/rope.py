@@ -1,0 +1,90 @@
+"""Rotary position embeddings as the estimator and the attention statistics need them.
+
+RoPE is a rotation per channel pair, so a cached (post-RoPE) key can be turned back into
+the key as projected, or into the key a query at another position would see, exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+KEY_VIEWS = ("pre_rope", "end_relative", "post_rope")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The RoPE companion of ``x``: halves (a, b) -> (-b, a) on the last dim."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE: x·cos + rotate_half(x)·sin (``cos``, ``sin`` broadcastable to ``x``)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Invert k' = k·cos + rotate_half(k)·sin (cos, sin may carry an attention scale).
+
+    Args:
+        keys: (..., tokens, head_dim) rotated keys; cos, sin broadcastable to it.
+    """
+    return (keys * cos - rotate_half(keys) * sin) / (cos * cos + sin * sin)
+
+
+def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor):
+    """(cos, sin) of shape (*positions.shape, head_dim) float32 for ``positions``, or None without RoPE.
+
+    ``positions`` is (tokens,) or has leading dims, e.g. (batch, kv_heads, tokens) when
+    each head holds a different set of tokens.
+    """
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        return None
+    cos, sin = rotary(like, positions.reshape(1, -1).to(like.device))
+    shape = (*positions.shape, cos.shape[-1])
+    return cos[0].float().reshape(shape), sin[0].float().reshape(shape)
+
+
+def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor, view: str,
+             end: int | None = None) -> torch.Tensor:
+    """Keys (..., tokens, head_dim) post-RoPE at ``positions`` -> the estimator's key view, float32.
+
+    - ``pre_rope``: rotated back by each key's own position (the key as projected);
+    - ``end_relative``: rotated back by the last position of the sequence so far (``end - 1``),
+      i.e. R(p_j − (end − 1))·k_j, the key as a query standing at the end sees it (distance-aware);
+      ``end`` defaults to the largest position + 1;
+    - ``post_rope``: the cached key as it is (models without rotary embeddings).
+
+    ``positions`` is (tokens,) or matches the keys' leading dims, e.g. (batch, kv_heads, tokens).
+    """
+    if view not in KEY_VIEWS:
+        raise ValueError(f"unknown key view {view!r}; expected one of {', '.join(KEY_VIEWS)}")
+    if view == "post_rope":
+        return keys.float()
+    if view == "end_relative":
+        last = (int(positions.max()) + 1 if end is None else end) - 1
+        positions = torch.tensor([last], device=keys.device)
+    tables = rotary_tables(model, positions, keys)
+    if tables is None:
+        return keys.float()
+    cos, sin = tables
+    if view == "end_relative":
+        cos, sin = cos[0], sin[0]
+    return unrotate(keys.float(), cos, sin)
+
+
+def average_rotation(model: PreTrainedModel | None, start: int, count: int, head_dim: int,
+                     like: torch.Tensor) -> torch.Tensor:
+    """(head_dim, head_dim) RoPE rotation averaged over positions [start, start + count).
+
+    RoPE at position p maps x to cos_p·x + sin_p·rotate_half(x) = (diag(cos_p) + diag(sin_p)·P)·x,
+    so the average is diag(mean cos) + diag(mean sin)·P. Identity without rotary embeddings.
+    """
+    eye = torch.eye(head_dim, device=like.device)
+    tables = None if model is None else rotary_tables(model, torch.arange(start, start + count), like)
+    if tables is None:
+        return eye
+    cos, sin = tables
+    companion = rotate_half(eye).T  # P with P @ x == rotate_half(x)
+    return torch.diag(cos.mean(dim=0)) + torch.diag(sin.mean(dim=0)) @ companion

@@ -1,0 +1,72 @@
+"""The selection arithmetic every method shares: which tokens are protected, how many are kept, which ones.
+
+Trained scorer and training-free baselines differ only in the scores they give; which
+tokens survive, and how they are gathered, is decided here (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from curkv_train.errors import CurKVError
+from curkv_train.kernels import compact_kept
+
+ADAPTIVE = "adaptive"
+
+
+def check_keep_ratio(keep_ratio: float | str, *, allow_adaptive: bool = False) -> float | str:
+    """``keep_ratio`` as a float in (0, 1] (or ``"adaptive"`` where allowed), else a one-line CurKVError."""
+    if allow_adaptive and keep_ratio == ADAPTIVE:
+        return keep_ratio
+    adaptive = " or 'adaptive'" if allow_adaptive else ""
+    if isinstance(keep_ratio, (str, bool)) or not 0.0 < float(keep_ratio) <= 1.0:
+        raise CurKVError(f"keep_ratio must be in (0, 1]{adaptive}, got {keep_ratio!r} "
+                         "(compression ratio = 1 - keep_ratio)")
+    return float(keep_ratio)
+
+
+def compressible_mask(context_length: int, n_sink: int, window: int, device=None) -> torch.Tensor:
+    """(context_length,) bool: True for tokens that are neither sinks nor in the recent window."""
+    positions = torch.arange(context_length, device=device)
+    return (positions >= n_sink) & (positions < context_length - window)
+
+
+def kept_count(num_compressible: int, keep_ratio: float) -> int:
+    """Compressible tokens kept at ``keep_ratio``: ceil(ρ·n), never rounding a kept token away."""
+    return min(num_compressible, math.ceil(keep_ratio * num_compressible - 1e-9))
+
+
+def expected_kept(context_length: int, n_sink: int, window: int, keep_ratio: float) -> int:
+    """Tokens :func:`select_kept` keeps per (layer, KV head): sinks + window + ⌈ρ·n_compressible⌉."""
+    compressible = int(compressible_mask(context_length, n_sink, window).sum())
+    return context_length - compressible + kept_count(compressible, keep_ratio)
+
+
+def select_kept(scores: torch.Tensor, n_sink: int, window: int, keep_ratio: float) -> torch.Tensor:
+    """Indices kept per (batch, KV head): sinks + recent window + top-⌈ρ·n⌉ compressible by score.
+
+    Args:
+        scores: (batch, kv_heads, tokens) higher = more worth keeping.
+        n_sink, window: always-kept leading / trailing tokens.
+        keep_ratio: ρ, share of the compressible tokens to keep.
+
+    Returns:
+        (batch, kv_heads, kept) int64 indices in increasing position order, with
+        kept = sinks + window + ⌈ρ·n_compressible⌉ (all tokens when nothing is compressible).
+    """
+    batch, heads, tokens = scores.shape
+    compressible = compressible_mask(tokens, n_sink, window, device=scores.device)
+    positions = torch.arange(tokens, device=scores.device)
+    protected = positions[~compressible].expand(batch, heads, -1)
+    candidates = positions[compressible]
+    count = kept_count(candidates.numel(), keep_ratio)
+    chosen = scores[..., compressible].float().topk(count, dim=-1).indices
+    kept = torch.cat([protected, candidates[chosen]], dim=-1)
+    return kept.sort(dim=-1).values
+
+
+def compress_kv(keys: torch.Tensor, values: torch.Tensor, keep_idx: torch.Tensor, backend: str = "auto"):
+    """Dense (keys, values) of the kept tokens: (batch, kv_heads, kept, head_dim) each."""
+    return compact_kept(keys, values, keep_idx, backend=backend)
