@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
-from curkv_train.kernels.reference import compact_kept_reference, scored_attention_reference
+from curkv_train.kernels.reference import (
+    Factors,
+    compact_kept_reference,
+    factored_attention_reference,
+    scored_attention_reference,
+)
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -59,3 +65,22 @@ def compact_kept(
     from curkv_train.kernels.compact_triton import compact_kept_triton
 
     return compact_kept_triton(k, v, keep_idx)
+
+
+def factored_attention(
+    q: torch.Tensor,
+    cold_keys: Sequence[Factors],
+    cold_values: Sequence[Factors],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention over [CUR-factored cold blocks | dense keys]; see :func:`factored_attention_reference`."""
+    if resolve_backend(backend, q) == "torch":
+        return factored_attention_reference(q, cold_keys, cold_values, k, v, scale=scale, causal=causal)
+    from curkv_train.kernels.factored_attention_triton import factored_attention_triton
+
+    return factored_attention_triton(q, cold_keys, cold_values, k, v, scale=scale, causal=causal)

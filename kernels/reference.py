@@ -7,6 +7,8 @@ function of the same stem here.
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import torch
 
 
@@ -123,3 +125,137 @@ def compact_kept_reference(
     gather_k = keep_idx[..., None].expand(*keep_idx.shape, k.shape[-1])
     gather_v = keep_idx[..., None].expand(*keep_idx.shape, v.shape[-1])
     return torch.gather(k, 2, gather_k).contiguous(), torch.gather(v, 2, gather_v).contiguous()
+
+
+class Factors(Protocol):
+    """A matrix M (batch, kv_heads, n, d) held as C·U·R plus a sparse residual S.
+
+    Structurally :class:`curkv_train.runtime.cur.CurFactors` (the kernels do not import
+    the runtime).
+
+    Attributes:
+        columns: (batch, kv_heads, n, c) C, the selected channels of every token.
+        core: (batch, kv_heads, c, r) U.
+        rows: (batch, kv_heads, r, d) R, the selected tokens.
+        residual_values: (batch, kv_heads, m) the residual entries, or None.
+        residual_index: (batch, kv_heads, m) their flat indices into n·d, ascending per
+            (batch, KV head) (the Triton kernel relies on the order), or None.
+    """
+
+    columns: torch.Tensor
+    core: torch.Tensor
+    rows: torch.Tensor
+    residual_values: torch.Tensor | None
+    residual_index: torch.Tensor | None
+
+
+def grouped_queries(q: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """(batch, q_heads, M, d) queries as (batch, kv_heads, group·M, d) rows in ``dtype``.
+
+    Row g·M + m of KV head h is query m of query head h·group + g.
+    """
+    batch, q_heads, num_queries, head_dim = q.shape
+    return q.to(dtype).reshape(batch, kv_heads, q_heads // kv_heads * num_queries, head_dim)
+
+
+def factored_logits(queries: torch.Tensor, keys: Factors) -> torch.Tensor:
+    """Unscaled logits q·(C·U·R + S)ᵀ of query rows against a factored block, no (n × d) transient.
+
+    Args:
+        queries: (batch, kv_heads, rows, d) in the compute dtype.
+        keys: factors of (batch, kv_heads, n, d) keys.
+
+    Returns:
+        (batch, kv_heads, rows, n): ((q·Rᵀ)·Uᵀ)·Cᵀ plus, for each residual entry (j, ch)
+        with value s, q[ch]·s added to logit j.
+    """
+    dtype = queries.dtype
+    channels = queries @ keys.rows.to(dtype).transpose(-1, -2) @ keys.core.to(dtype).transpose(-1, -2)
+    logits = channels @ keys.columns.to(dtype).transpose(-1, -2)
+    if keys.residual_values is not None:
+        token, channel = _residual_coordinates(keys.residual_index, queries.shape[-1], queries.shape[-2])
+        terms = queries.gather(-1, channel) * keys.residual_values.to(dtype)[..., None, :]
+        logits = logits.scatter_add(-1, token, terms)
+    return logits
+
+
+def factored_values(probs: torch.Tensor, values: Factors) -> torch.Tensor:
+    """p·(C·U·R + S) for probability rows over a factored block's tokens, no (n × d) transient.
+
+    Args:
+        probs: (batch, kv_heads, rows, n) in the compute dtype.
+        values: factors of (batch, kv_heads, n, d) values.
+
+    Returns:
+        (batch, kv_heads, rows, d): ((p·C)·U)·R plus, for each residual entry (j, ch) with
+        value s, p[j]·s added to output channel ch.
+    """
+    dtype = probs.dtype
+    out = probs @ values.columns.to(dtype) @ values.core.to(dtype) @ values.rows.to(dtype)
+    if values.residual_values is not None:
+        token, channel = _residual_coordinates(values.residual_index, out.shape[-1], probs.shape[-2])
+        terms = probs.gather(-1, token) * values.residual_values.to(dtype)[..., None, :]
+        out = out.scatter_add(-1, channel, terms)
+    return out
+
+
+def _residual_coordinates(index: torch.Tensor, channels: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, channel) of flat residual indices (batch, kv_heads, m), expanded to (batch, kv_heads, rows, m)."""
+    index = index.long()
+    shape = (*index.shape[:-1], rows, index.shape[-1])
+    return (index // channels)[..., None, :].expand(shape), (index % channels)[..., None, :].expand(shape)
+
+
+def factored_attention_reference(
+    q: torch.Tensor,
+    cold_keys: Sequence[Factors],
+    cold_values: Sequence[Factors],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Attention over [factored cold blocks | dense keys] in one softmax, GQA, fp32 accumulation.
+
+    Same result as :func:`scored_attention_reference` (zero bias) over the keys
+    [reconstruct(cold_keys[0]) | ... | k] and values likewise, without materialising any
+    cold block: its logits are ((q·Rᵀ)·Uᵀ)·Cᵀ plus the residual's terms and its output
+    ((p·C_v)·U_v)·R_v plus p·S_v.
+
+    Args:
+        q: (batch, q_heads, M, head_dim) queries; query head h reads KV head h // group.
+        cold_keys, cold_values: per cold block, factors of its (batch, kv_heads, n_b, head_dim)
+            keys and (batch, kv_heads, n_b, head_dim_v) values (:class:`Factors`). Cold
+            tokens precede every query: always visible.
+        k: (batch, kv_heads, N, head_dim) dense keys (the last M of them the queries' own
+            when causal).
+        v: (batch, kv_heads, N, head_dim_v) dense values.
+        scale: logit scale, default head_dim ** -0.5.
+        causal: bottom-right causal mask over the dense keys (query i sees dense key
+            j <= i + N - M).
+
+    Returns:
+        (batch, q_heads, M, head_dim_v) in q's dtype; rows that see no key are 0.
+    """
+    if len(cold_keys) != len(cold_values):
+        raise ValueError(f"got {len(cold_keys)} cold key blocks but {len(cold_values)} cold value blocks")
+    batch, q_heads, num_queries, head_dim = q.shape
+    kv_heads, num_keys = k.shape[1], k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    compute = _compute_dtype(q)
+    queries = grouped_queries(q, kv_heads, compute)
+    dense = queries @ k.to(compute).transpose(-1, -2)
+    if causal:
+        visible = causal_key_mask(num_queries, num_keys, q.device).repeat(q_heads // kv_heads, 1)
+        dense = dense.masked_fill(~visible, float("-inf"))
+    logits = torch.cat([factored_logits(queries, block) for block in cold_keys] + [dense], dim=-1) * scale
+    row_max = logits.amax(dim=-1, keepdim=True)
+    weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
+    denom = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    cold_probs = probs.split([block.columns.shape[-2] for block in cold_keys] + [num_keys], dim=-1)
+    out = cold_probs[-1] @ v.to(compute)
+    for block_probs, block in zip(cold_probs[:-1], cold_values):
+        out = out + factored_values(block_probs, block)
+    return out.reshape(batch, q_heads, num_queries, v.shape[-1]).to(q.dtype)

@@ -531,3 +531,35 @@ def scored_attention_triton(
     bias32 = key_bias.float().contiguous()
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     return _ScoredAttention.apply(q, k, v, bias32, scale, bool(causal), (block_m, block_n))
+
+
+def attention_partial_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward-only plain attention (no bias) with its log-sum-exp, to merge with attention over other keys.
+
+    Args:
+        q: (batch, q_heads, M, head_dim); k, v: (batch, kv_heads, N, head_dim), as in
+            :func:`scored_attention_triton`.
+        scale, causal, block_m, block_n: as in :func:`scored_attention_triton`.
+
+    Returns:
+        (out (batch, q_heads, M, head_dim) fp32, lse (batch, q_heads, M) fp32): the softmax-
+        normalised output and the row log-sum-exp of the scaled logits; rows that see no key
+        give 0 and -inf.
+    """
+    bias = torch.zeros(k.shape[:3], device=k.device, dtype=torch.float32)
+    _validate(q, k, v, bias)
+    _check_block("block_m", block_m)
+    _check_block("block_n", block_n)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    _, lse, out32 = _forward(q, k, v, bias, scale, bool(causal), (block_m, block_n), keep_f32=True)
+    return out32, lse

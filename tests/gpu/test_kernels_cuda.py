@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from curkv_train.kernels import compact_kept, scored_attention
-from curkv_train.kernels.reference import compact_kept_reference, scored_attention_reference
+from curkv_train.kernels import compact_kept, factored_attention, scored_attention
+from curkv_train.kernels.reference import (
+    compact_kept_reference,
+    factored_attention_reference,
+    scored_attention_reference,
+)
+from curkv_train.runtime import cur
 
 pytestmark = pytest.mark.gpu
 
@@ -45,3 +50,22 @@ def test_compact_kept_is_exact_on_cuda():
     keep = torch.rand(2, 8, 4096, device="cuda").topk(1500, dim=-1).indices.sort(dim=-1).values
     for got, want in zip(compact_kept(k, v, keep, backend="triton"), compact_kept_reference(k, v, keep)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_queries", [1, 64])
+def test_factored_attention_matches_reference_on_cuda(dtype, num_queries):
+    """SmolLM2-like heads (9 query / 3 KV heads, head_dim 64), two cold blocks of 2K and 300 tokens, 5 % residual."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 9, num_queries, 64, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(1, 3, 500, 64, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(1, 3, 500, 64, device="cuda", generator=gen).to(dtype)
+    cold_keys, cold_values = [], []
+    for tokens in (2048, 300):
+        for blocks in (cold_keys, cold_values):
+            matrix = torch.randn(1, 3, tokens, 64, device="cuda", generator=gen).to(dtype)
+            factors = cur.cur_decompose(matrix, 32, 32)
+            blocks.append(cur.compensate(factors, matrix, cur.residual_count(tokens, 64, 0.05)))
+    got = factored_attention(q, cold_keys, cold_values, k, v, backend="triton").float()
+    want = factored_attention_reference(q, cold_keys, cold_values, k, v).float()
+    assert ((got - want).abs().max() / want.abs().max()) < TOLERANCE[dtype]
