@@ -6,8 +6,8 @@ model keyword ``curkv_state`` (transformers forwards extra keywords down to the
 attention function):
 
 - no state, or ``mode="full"``: plain causal attention (SDPA);
-- ``mode="capture"``: plain attention that also records, per layer, the attention
-  the queries pay to each context key (DESIGN §1 step 1, for warm start and stats);
+- ``mode="reconstruct"``: plain attention that also records, per layer, the KVzip+
+  score of each context key (:mod:`curkv_train.reconstruction`; the dense target);
 - ``mode="scored"``: the continuation's queries see context key j through
   ``logit + key_bias[layer][j]`` (the student, DESIGN §4), via the fused path.
 """
@@ -22,10 +22,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import scored_attention
-from curkv_train.kernels.reference import attend, scored_attention_probs
+from curkv_train.reconstruction import reconstruction_scores
 
 ATTENTION_NAME = "curkv"
-MODES = ("full", "capture", "scored")
+MODES = ("full", "reconstruct", "scored")
 
 
 @dataclass
@@ -33,21 +33,20 @@ class CompressionState:
     """What the ``curkv`` attention does during one forward call.
 
     Attributes:
-        mode: one of ``full``, ``capture``, ``scored``.
-        context_length: number of leading cached tokens the bias and statistics refer to.
+        mode: one of ``full``, ``reconstruct``, ``scored``.
+        context_length: number of leading cached tokens the bias and scores refer to.
         key_bias: per layer, (batch, kv_heads, context_length) float32 added to the
             continuation's logits on context keys (``scored`` mode).
         backend: kernel backend for ``scored`` mode (auto, torch, triton).
-        attention_mass: filled in ``capture`` mode: per layer, (batch, kv_heads,
-            context_length) attention the queries paid to each context key, summed
-            over queries and averaged over the KV head's query heads.
+        reconstruction: filled in ``reconstruct`` mode: per layer, (batch, kv_heads,
+            context_length) KVzip+ score of each context key.
     """
 
     mode: str = "full"
     context_length: int = 0
     key_bias: list[torch.Tensor] | None = None
     backend: str = "auto"
-    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    reconstruction: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,20 +75,17 @@ def curkv_attention_forward(
     layer = module.layer_idx
     batch, kv_heads, num_keys = key.shape[0], key.shape[1], key.shape[2]
     bias = torch.zeros(batch, kv_heads, num_keys, dtype=torch.float32, device=key.device)
-    if full:
-        # transformers passes mask=None for queries over a cache and relies on is_causal,
-        # which SDPA aligns top-left; the continuation needs bottom-right alignment.
-        out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=_backend(state))
-        return out.transpose(1, 2).contiguous(), None
-    if state.mode == "scored":
+    if state is not None and state.mode == "scored":
         context_bias = state.key_bias[layer]
         bias = torch.cat([context_bias.to(key.device), bias[..., context_bias.shape[-1] :]], dim=-1)
-        out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=state.backend)
-        return out.transpose(1, 2).contiguous(), None
-    probs = scored_attention_probs(query, key, bias, scale=scaling, causal=True)
-    context = min(state.context_length, num_keys)
-    state.attention_mass[layer] = probs[..., :context].sum(dim=-2).mean(dim=2)
-    return attend(probs, value, query).transpose(1, 2).contiguous(), None
+    # transformers passes mask=None for queries over a cache and relies on is_causal, which
+    # SDPA aligns top-left; the continuation needs bottom-right alignment.
+    out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=_backend(state))
+    if state is not None and state.mode == "reconstruct":
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        state.reconstruction[layer] = reconstruction_scores(module, query, key, value,
+                                                            min(state.context_length, num_keys), scale)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _backend(state: CompressionState | None) -> str:

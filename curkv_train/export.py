@@ -15,15 +15,17 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch import nn
 from jsonargparse import CLI
 from transformers import AutoConfig, PretrainedConfig
 
 from curkv_train.core.shapes import kv_shape
 from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, resolve_model_source, tiny_llama_config
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import model_fingerprint, save_scorer
+from curkv_train.system import SETTINGS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +53,19 @@ def base_config(name: str, fallback: str | None = None) -> PretrainedConfig:
     return AutoConfig.from_pretrained(source)
 
 
-def build_estimator(checkpoint: dict, config: PretrainedConfig) -> ValueEstimator:
+def estimator_options(hp: dict) -> dict:
+    """The estimator options a run used (runs from before families set hidden_divisor / init_keep at top level)."""
+    options = dict(hp.get("estimator_options") or {})
+    for name in ("hidden_divisor", "init_keep"):
+        if name in hp:
+            options.setdefault(name, hp[name])
+    return options
+
+
+def restore_estimator(checkpoint: dict, config: PretrainedConfig) -> nn.Module:
     """The checkpoint's estimator, shaped for ``config`` as CurKVModule.configure_model builds it."""
     hp = checkpoint["hyper_parameters"]
-    shape = kv_shape(config)
-    estimator = ValueEstimator(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                               hidden_divisor=hp.get("hidden_divisor", 4),
-                               max_positions=shape.max_positions, init_keep=hp.get("init_keep", 0.5))
+    estimator = build_estimator(hp.get("estimator", "seed"), kv_shape(config), **estimator_options(hp))
     state = {key.removeprefix(ESTIMATOR_PREFIX): value for key, value in checkpoint["state_dict"].items()
              if key.startswith(ESTIMATOR_PREFIX)}
     if not state:
@@ -147,7 +155,17 @@ def training_record(ckpt: Path, checkpoint: dict) -> dict:
         "global_step": checkpoint.get("global_step"),
         "epoch": checkpoint.get("epoch"),
         "lightning_version": checkpoint.get("pytorch-lightning_version"),
+        "last_step_settings": checkpoint.get(SETTINGS_KEY),
+        "last_stage": last_stage(checkpoint),
     }
+
+
+def last_stage(checkpoint: dict) -> dict | None:
+    """The curriculum stage the run ended in, as the recipe wrote it (e.g. a list of ratios or a range)."""
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and state.get("stages") and state.get("stage_index", -1) >= 0:
+            return state["stages"][state["stage_index"]]
+    return None
 
 
 def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool = False) -> Path:
@@ -168,9 +186,11 @@ def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool
     hp = checkpoint["hyper_parameters"]
     model_id = hp.get("base_model")
     config = base_config(base_model or model_id, None if base_model else hp.get("base_fallback"))
-    scorer = Scorer(build_estimator(checkpoint, config), key_view=hp.get("key_view", "pre_rope"),
+    last_step = {**{"keep_ratio": hp.get("keep_ratio", 0.5), "temperature": hp.get("temperature", 1.0)},
+                 **(checkpoint.get(SETTINGS_KEY) or {})}
+    scorer = Scorer(restore_estimator(checkpoint, config), key_view=hp.get("key_view", "pre_rope"),
                     n_sink=hp.get("n_sink", 4), window=hp.get("window", 64),
-                    keep_ratio=hp.get("keep_ratio", 0.5), temperature=hp.get("temperature", 1.0))
+                    keep_ratio=last_step["keep_ratio"], temperature=last_step["temperature"])
     extra = {"name": out.name, "training": training_record(ckpt, checkpoint), "metrics": run_metrics(ckpt, checkpoint)}
     written = save_scorer(scorer, out, base_model=model_id, fingerprint=model_fingerprint(config), extra=extra,
                           overwrite=overwrite)

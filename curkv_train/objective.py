@@ -1,6 +1,8 @@
-"""The distillation objective (DESIGN §4): chunked KL, budget control, keep biases."""
+"""The distillation objective (DESIGN §4): chunked KL, budget control, keep biases, the dense ranking term."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,6 +15,27 @@ BUDGET_MODES = ("two_sided", "hinge", "lagrange")
 # forward pass as top-k does, large enough that log(weight) keeps the gradient
 # an evicted token would get if it were put back (straight-through in weight space).
 EVICTED_WEIGHT = 1e-6
+# Added to reconstruction scores before the log: attention shares below it count as "never read".
+DENSE_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """The knobs of the objective a curriculum changes from step to step.
+
+    Attributes:
+        keep_ratio: target ρ = kept / compressible tokens.
+        temperature: score temperature T in s = σ(z / T).
+        hard_topk: exact top-⌈ρ·n⌉ forward with straight-through gradients.
+        budget_weight: λ of the budget penalty.
+        warm_start: only the dense ranking term (no continuation, no backward through the LLM).
+    """
+
+    keep_ratio: float = 0.5
+    temperature: float = 1.0
+    hard_topk: bool = False
+    budget_weight: float = 0.4
+    warm_start: bool = False
 
 
 def _chunk_kl(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -123,3 +146,25 @@ class BudgetController(nn.Module):
         """Dual ascent: raise ν where the mean keep is above ρ, lower it where below."""
         if self.mode == "lagrange":
             self.multipliers.add_(self.dual_lr * (mean_keep.detach() - keep_ratio))
+
+
+def dense_loss(logits: torch.Tensor, target: torch.Tensor, compressible: torch.Tensor) -> torch.Tensor:
+    """1 − Pearson correlation of the logits with the log dense target, over compressible tokens.
+
+    Scale- and shift-free, so it grades only how the estimator orders tokens (top-k is all the
+    runtime uses) and leaves the keep scores' level to the budget term.
+
+    Args:
+        logits: (layers, batch, kv_heads, context) estimator logits z.
+        target: (layers, batch, kv_heads, context) reconstruction scores (≥ 0).
+        compressible: (context,) bool mask of the tokens that compete.
+
+    Returns:
+        Scalar mean over (layer, batch, KV head), in [0, 2].
+    """
+    z = logits[..., compressible].float()
+    t = torch.log(target[..., compressible].float() + DENSE_FLOOR)
+    z = z - z.mean(dim=-1, keepdim=True)
+    t = t - t.mean(dim=-1, keepdim=True)
+    correlation = (z * t).sum(dim=-1) / (z.norm(dim=-1) * t.norm(dim=-1)).clamp_min(1e-12)
+    return (1 - correlation).mean()

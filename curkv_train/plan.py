@@ -17,7 +17,8 @@ strategy, devices, nodes, per-device batch and the curriculum's longest stage
   with activation checkpointing on decoder layers (the FSDP recipe)
       layers × b × M × hidden × s (each layer's checkpointed input) + A (one layer recomputed),
   without it (DDP) layers × (b × M × hidden × s + A); both
-  + layers × b × kv_heads × N × (head_dim / hidden_divisor + 2) × 4 (estimator)
+  + layers × b × kv_heads × N × a × 4 (estimator, a = its ``activation_floats()``: d / hidden_divisor + 2
+    for the seed)
   + 2 × kl_chunk_size × b × vocab × 4 (teacher and student logits of one KL chunk).
 - estimator + AdamW: parameters × 4 bytes × 4 (fp32 weights, grads, two moments),
   divided by the world size under FSDP.
@@ -141,7 +142,7 @@ def _as_int(value, name: str) -> int:
 def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
     """Build the recipe's base on the meta device and size one training step (see the module docstring)."""
     from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config
-    from curkv_train.models.estimator import ValueEstimator
+    from curkv_train.models.estimators import build_estimator
 
     config = parse_recipe(recipe, overrides)
     model_hp, trainer = config.model, config.trainer
@@ -150,8 +151,7 @@ def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
     dtype_bytes = DTYPE_BYTES[dtype_name]
     base = build_meta_model(model_config, dtype=getattr(torch, dtype_name))
     shape = kv_shape(model_config)
-    estimator = ValueEstimator(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                               hidden_divisor=model_hp.hidden_divisor)
+    estimator = build_estimator(model_hp.estimator, shape, **(model_hp.estimator_options or {}))
 
     kind = strategy_kind(trainer.strategy)
     devices, nodes = _as_int(trainer.devices, "devices"), _as_int(trainer.num_nodes, "num_nodes")
@@ -179,7 +179,7 @@ def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
     layers_saved = shape.num_layers * layer_input + (1 if checkpointed else shape.num_layers) * layer_internal
     activations = (layers_saved
                    + shape.num_layers * batch * shape.num_kv_heads * context
-                   * (shape.head_dim // model_hp.hidden_divisor + 2) * FP32
+                   * estimator.activation_floats() * FP32
                    + 2 * model_hp.kl_chunk_size * batch * model_config.vocab_size * FP32)
     optimizer = estimator_parameters * FP32 * 4 // (world if sharded else 1)
     total = weight_bytes + gathered + kv_capture + activations + optimizer

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+import random
+from dataclasses import asdict, dataclass, fields
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from curkv_train.errors import CurKVError
+from curkv_train.objective import TrainingSettings
 from curkv_train.core.selection import check_keep_ratio
 
 log = logging.getLogger(__name__)
@@ -22,17 +24,21 @@ class Stage:
         steps: optimizer steps in this stage.
         context_length, continuation_length: block shape of its training data.
         keep_ratio: target ρ, or a list of ρ cycled step by step (one scorer for several ratios).
+        compression_range: [low, high]: instead of ``keep_ratio``, draw the compression ratio
+            1 − ρ uniformly from this range at every step (seeded by the step, so a resumed run
+            draws the same ones).
         budget_weight: λ of the budget penalty.
         temperature: score temperature T.
         hard_topk: exact top-⌈ρ·n⌉ forward with straight-through gradients.
-        warm_start: ranking loss against the captured value-weighted attention mass
-            (no backward through the LLM) instead of distillation.
+        warm_start: the dense ranking term alone against the reconstruction target (no
+            continuation, no backward through the LLM) instead of distillation.
     """
 
     steps: int
     context_length: int | None = None
     continuation_length: int | None = None
     keep_ratio: float | list[float] | None = None
+    compression_range: list[float] | None = None
     budget_weight: float | None = None
     temperature: float | None = None
     hard_topk: bool = False
@@ -58,6 +64,8 @@ class Curriculum(Callback):
                 raise CurKVError(f"curriculum stage {index} has {stage.steps} steps; each stage needs >= 1")
             for ratio in _as_list(stage.keep_ratio):
                 check_keep_ratio(ratio)
+            if stage.compression_range is not None:
+                _check_range(index, stage.compression_range)
         self.stages = stages
         self.stage_index = -1
 
@@ -75,22 +83,30 @@ class Curriculum(Callback):
         settings: dict = {}
         for stage in self.stages[: self.stage_at(step) + 1]:
             settings.update({k: v for k, v in asdict(stage).items() if v is not None})
-        ratios = _as_list(settings.get("keep_ratio"))
-        if ratios:
-            settings["keep_ratio"] = ratios[step % len(ratios)]
+        stage = self.stages[self.stage_at(step)]
+        if stage.compression_range is not None:
+            low, high = stage.compression_range
+            settings["keep_ratio"] = 1.0 - random.Random(f"curriculum/{step}").uniform(low, high)
+        else:
+            ratios = _as_list(settings.get("keep_ratio"))
+            if ratios:
+                settings["keep_ratio"] = ratios[step % len(ratios)]
         return settings
 
     def apply(self, trainer: L.Trainer, module: L.LightningModule, step: int) -> None:
-        """Set the module's and the training data's values for optimizer step ``step``."""
+        """Apply the settings of optimizer step ``step`` to the module and the training data.
+
+        The module takes a :class:`~curkv_train.objective.TrainingSettings` through
+        ``apply_stage`` (fields a stage leaves unset keep the module's current value); the data
+        module takes the block shape through ``set_block_shape``.
+        """
         settings = self.settings_at(step)
-        for name in ("keep_ratio", "budget_weight", "temperature", "hard_topk", "warm_start"):
-            if name in settings:
-                setattr(module, name, settings[name])
-        data = getattr(trainer, "datamodule", None)
-        train_set = getattr(data, "datasets", {}).get("train") if data is not None else None
-        for name in ("context_length", "continuation_length"):
-            if name in settings and train_set is not None:
-                setattr(train_set, name, settings[name])
+        names = {field.name for field in fields(TrainingSettings)}
+        current = asdict(module.settings)
+        module.apply_stage(TrainingSettings(**{name: settings.get(name, current[name]) for name in names}))
+        data = trainer.datamodule
+        if data is not None and ("context_length" in settings or "continuation_length" in settings):
+            data.set_block_shape(settings.get("context_length"), settings.get("continuation_length"))
         index = self.stage_at(step)
         if index != self.stage_index:
             log.info("curriculum stage %d from step %d: %s", index, step, settings)
@@ -115,6 +131,13 @@ class Curriculum(Callback):
         if state_dict.get("stages") != [asdict(stage) for stage in self.stages]:
             log.warning("resuming with a different curriculum than the checkpoint's; using the new one")
         self.stage_index = state_dict.get("stage_index", -1)
+
+
+def _check_range(index: int, bounds) -> None:
+    """A CurKVError unless ``bounds`` is [low, high] with 0 <= low <= high < 1."""
+    if len(bounds) != 2 or not 0.0 <= bounds[0] <= bounds[1] < 1.0:
+        raise CurKVError(f"curriculum stage {index} has compression_range {bounds}; expected [low, high] with "
+                         "0 <= low <= high < 1 (compression ratio = 1 - keep ratio)")
 
 
 def _as_list(value) -> list:

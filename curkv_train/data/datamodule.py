@@ -124,16 +124,8 @@ class CurKVDataModule(L.LightningDataModule):
         self.check_lengths()
 
     def check_lengths(self) -> None:
-        """Reject block shapes the model or the compression cannot handle."""
-        if self.context_length <= self.n_sink + self.window:
-            raise CurKVError(f"context_length {self.context_length} must exceed n_sink + window "
-                             f"({self.n_sink} + {self.window}): nothing would be compressible")
-        if self.continuation_length < 1:
-            raise CurKVError("continuation_length must be at least 1")
-        total = self.context_length + self.continuation_length
-        if self.max_positions and total > self.max_positions:
-            raise CurKVError(f"context + continuation = {total} tokens exceeds the model's "
-                             f"{self.max_positions} positions")
+        """Reject block shapes the model or the compression cannot handle, and unknown source kinds."""
+        check_block_shape(self.context_length, self.continuation_length, self.n_sink, self.window, self.max_positions)
         for source in self.sources:
             if source.kind not in DOCUMENT_KINDS + SYNTHETIC_TASKS:
                 raise CurKVError(f"unknown data source kind {source.kind!r}; expected one of "
@@ -166,6 +158,19 @@ class CurKVDataModule(L.LightningDataModule):
             self.datasets[split] = MixedBlocks(streams, self.sources, self.tokenizer, self.context_length,
                                                self.continuation_length, size, seed, (self.n_sink, self.window))
 
+    def set_block_shape(self, context_length: int | None = None, continuation_length: int | None = None) -> None:
+        """Draw the next training blocks with this shape (None keeps a length); the curriculum calls this.
+
+        Validation keeps the recipe's shape. A shape the model or the compression cannot take
+        is a CurKVError (the same checks as the recipe's own shape).
+        """
+        train = self.datasets.get("train")
+        context_length = context_length or (train.context_length if train else self.context_length)
+        continuation_length = continuation_length or (train.continuation_length if train else self.continuation_length)
+        check_block_shape(context_length, continuation_length, self.n_sink, self.window, self.max_positions)
+        if train is not None:
+            train.context_length, train.continuation_length = context_length, continuation_length
+
     def train_dataloader(self) -> DataLoader:
         """Blocks in a fixed, rank-split order that resumes mid-epoch (see :mod:`curkv_train.data.sampling`)."""
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
@@ -176,6 +181,19 @@ class CurKVDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.datasets["val"], batch_size=self.batch_size, num_workers=self.num_workers,
                           collate_fn=collate_blocks)
+
+
+def check_block_shape(context_length: int, continuation_length: int, n_sink: int, window: int,
+                      max_positions: int) -> None:
+    """A CurKVError for a block shape the compression or the model cannot take (max_positions 0 = unchecked)."""
+    if context_length <= n_sink + window:
+        raise CurKVError(f"context_length {context_length} must exceed n_sink + window ({n_sink} + {window}): "
+                         "nothing would be compressible")
+    if continuation_length < 1:
+        raise CurKVError("continuation_length must be at least 1")
+    total = context_length + continuation_length
+    if max_positions and total > max_positions:
+        raise CurKVError(f"context + continuation = {total} tokens exceeds the model's {max_positions} positions")
 
 
 def collate_blocks(items: list[dict]) -> dict:

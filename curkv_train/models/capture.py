@@ -1,74 +1,91 @@
-"""Capture: prefill the context once without grad and read its cached K and V.
+"""Capture: prefill the context once without grad and keep what the estimator and the objective read.
 
-Keys come out of the cache post-RoPE. RoPE is a rotation per channel pair, so the
-estimator's key view is obtained exactly by rotating back (DESIGN §3):
-
-- ``pre_rope``: rotate each key back by its own position (the key as projected);
-- ``end_relative``: rotate back by the last context position, i.e. the key as a
-  query standing at the end of the context would see it (distance-aware);
-- ``post_rope``: the cached key as it is (models without rotary embeddings).
+The frozen model runs over the context once; the capture keeps its cache (post-RoPE keys and
+values, reused by the teacher, the student and the reconstruction pass) and, when the
+estimator family needs them, the attention inputs of every layer (the observation window's
+hidden states for ``query_aware``, every token's for ``hidden``). :func:`estimator_inputs`
+turns a capture into the estimator's :class:`~curkv_train.models.estimator.EstimatorInputs`
+through the same feature function the runtime uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.attention import CompressionState
+from curkv_train.core.observation import HiddenRecorder, Observation
 from curkv_train.core.rope import key_view
+from curkv_train.models.estimator import EstimatorInputs
+
 
 @dataclass
 class ContextCapture:
     """The prefilled context of a batch.
 
     Attributes:
-        cache: the base model's cache after the context (post-RoPE keys).
-        keys: (layers, batch, kv_heads, context, head_dim) keys in the requested view.
-        values: (layers, batch, kv_heads, context, head_dim) values.
-        positions: (context,) absolute positions of the context tokens.
-        attention_mass: per layer, (batch, kv_heads, context) attention the continuation
-            paid to each context key (filled by a capturing teacher pass).
+        context_ids: (batch, context) the context's token ids.
+        cache: the base model's cache after the context (post-RoPE keys), cropped back to the
+            context after every pass that extends it.
+        values: (layers, batch, kv_heads, context, head_dim) float32 values.
+        hidden: per layer, (batch, recorded, hidden_size) attention inputs of the last
+            ``recorded`` context tokens, or None when none were recorded.
     """
 
+    context_ids: torch.Tensor
     cache: DynamicCache
-    keys: torch.Tensor
     values: torch.Tensor
-    positions: torch.Tensor
-    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden: list[torch.Tensor] | None = None
 
     @property
     def context_length(self) -> int:
         """Number of context tokens."""
-        return self.positions.numel()
+        return self.context_ids.shape[1]
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """(context,) absolute positions of the context tokens."""
+        return torch.arange(self.context_length, device=self.context_ids.device)
 
-def cache_layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys, values) held by ``cache`` for ``layer``, each (batch, kv_heads, tokens, head_dim)."""
-    return cache.layers[layer].keys, cache.layers[layer].values
+    def cached_keys(self, layer: int) -> torch.Tensor:
+        """(batch, kv_heads, context, head_dim) post-RoPE keys of ``layer``, as cached."""
+        return self.cache.layers[layer].keys[:, :, : self.context_length]
+
+    def observation(self, layer: int, end: int) -> Observation:
+        """The hidden states recorded for ``layer`` up to position ``end`` (exclusive), with their positions."""
+        hidden = self.hidden[layer]
+        first = self.context_length - hidden.shape[1]
+        return Observation(hidden[:, : end - first], torch.arange(first, end, device=hidden.device))
 
 
 @torch.no_grad()
-def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, view: str = "pre_rope") -> ContextCapture:
-    """Run the frozen model over ``context_ids`` (batch, context) once and keep its K/V."""
+def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, record_last: int | None = None) -> ContextCapture:
+    """Run the frozen model over ``context_ids`` (batch, context) once and keep its K/V.
+
+    Args:
+        record_last: also keep every layer's attention inputs of the last ``record_last``
+            tokens (0 = all tokens, None = none).
+    """
     cache = DynamicCache(config=model.config)
-    model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True,
-                        curkv_state=CompressionState(mode="full"))
-    positions = torch.arange(context_ids.shape[1], device=context_ids.device)
-    layers = [cache_layer_kv(cache, layer) for layer in range(len(cache.layers))]
-    keys = torch.stack([key_view(model, k, positions, view) for k, _ in layers])
-    values = torch.stack([v.float() for _, v in layers])
-    return ContextCapture(cache=cache, keys=keys, values=values, positions=positions)
+    recorder = HiddenRecorder(keep_last=record_last or None)
+    with recorder.recording(model) if record_last is not None else nullcontext():
+        model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True,
+                            curkv_state=CompressionState(mode="full"))
+    values = torch.stack([layer.values.float() for layer in cache.layers])
+    hidden = recorder.layers() if record_last is not None else None
+    return ContextCapture(context_ids=context_ids, cache=cache, values=values, hidden=hidden)
 
 
-def continue_from(
-    model: PreTrainedModel, capture: ContextCapture, continuation_ids: torch.Tensor, state: CompressionState
-) -> torch.Tensor:
+def continue_from(model: PreTrainedModel, capture: ContextCapture, continuation_ids: torch.Tensor,
+                  state: CompressionState) -> torch.Tensor:
     """Last hidden states (batch, M, hidden) of the continuation over the captured context.
 
     The cache is cropped back to the context afterwards, so the same capture serves
-    the teacher and the student.
+    the teacher, the student and the reconstruction pass.
     """
     try:
         output = model.get_decoder()(
@@ -77,3 +94,45 @@ def continue_from(
     finally:
         capture.cache.crop(capture.context_length)
     return output.last_hidden_state
+
+
+@torch.no_grad()
+def reconstruction_target(model: PreTrainedModel, capture: ContextCapture, prompt_ids: torch.Tensor,
+                          backend: str = "auto") -> torch.Tensor:
+    """KVzip+ scores of every context token while the model repeats the context after ``prompt_ids``.
+
+    Args:
+        prompt_ids: (prompt,) token ids of the repeat instruction.
+
+    Returns:
+        (layers, batch, kv_heads, context) float32 (see :mod:`curkv_train.reconstruction`).
+    """
+    batch = capture.context_ids.shape[0]
+    ids = torch.cat([prompt_ids.to(capture.context_ids.device).expand(batch, -1), capture.context_ids], dim=1)
+    state = CompressionState("reconstruct", capture.context_length, backend=backend)
+    continue_from(model, capture, ids, state)
+    return torch.stack([state.reconstruction[layer] for layer in range(len(state.reconstruction))])
+
+
+def estimator_inputs(model: PreTrainedModel, estimator: nn.Module, capture: ContextCapture, view: str,
+                     end: int | None = None) -> EstimatorInputs:
+    """The estimator's inputs for the first ``end`` context tokens (all by default), every layer.
+
+    Query features (no grad) come from the estimator's own :meth:`query_features`, the function
+    the runtime calls; per-token scores of the ``hidden`` family are computed here with grad.
+    """
+    end = capture.context_length if end is None else end
+    positions = capture.positions[:end]
+    layers = range(capture.values.shape[0])
+    keys = [capture.cached_keys(layer)[:, :, :end] for layer in layers]
+    values = capture.values[:, :, :, :end]
+    features = token_scores = None
+    if "query_features" in estimator.needs:
+        with torch.no_grad():
+            features = torch.stack([estimator.query_features(model, layer, keys[layer], values[layer], positions, end,
+                                                             capture.observation(layer, end)) for layer in layers])
+    if "token_scores" in estimator.needs:
+        hidden = torch.stack([capture.hidden[layer][:, :end] for layer in layers])
+        token_scores = estimator.token_scores(hidden)
+    viewed = torch.stack([key_view(model, keys[layer], positions, view, end) for layer in layers])
+    return EstimatorInputs(viewed, values, positions, end, query_features=features, token_scores=token_scores)

@@ -1,4 +1,4 @@
-"""The value estimator: a keep score for every cached (layer, KV head, token).
+"""The seed value estimator and the inputs every estimator family shares.
 
 Per layer l and KV head h, for context token j with key k_j, value v_j and
 position features p_j (DESIGN.md §3)::
@@ -6,12 +6,14 @@ position features p_j (DESIGN.md §3)::
     z_j = a_{l,h}·k_j / sqrt(d) + w_{l,h}·φ(p_j) + mlp_{l,h}(v_j) + b_{l,h}
     s_j = σ(z_j / T)
 
-Parameters are stacked over (layer, KV head) so each term is one einsum.
+Parameters are stacked over (layer, KV head) so each term is one einsum. Other families
+(:mod:`curkv_train.models.estimators`) take the same :class:`EstimatorInputs`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,16 +21,40 @@ from torch import nn
 NUM_POSITION_FEATURES = 8
 
 
+@dataclass
+class EstimatorInputs:
+    """What an estimator scores, batched over L' layers.
+
+    Attributes:
+        keys: (L', batch, kv_heads, tokens, head_dim) keys in the estimator's key view.
+        values: (L', batch, kv_heads, tokens, head_dim) values.
+        positions: (tokens,) absolute positions, or (batch, kv_heads, tokens) when each head
+            holds its own tokens (a compressed cache).
+        end: tokens seen so far (distance features are measured to it).
+        query_features: (L', batch, kv_heads, tokens, F) from
+            :func:`curkv_train.core.features.query_features`, for families that need them.
+        token_scores: (L', batch, kv_heads, tokens) per-token logits computed from each token's
+            hidden state when it arrived (the ``hidden`` family), for families that need them.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    end: int
+    query_features: torch.Tensor | None = None
+    token_scores: torch.Tensor | None = None
+
+
 def position_features(positions: torch.Tensor, end: int, max_positions: int) -> torch.Tensor:
     """Scalar-term features of where a token sits relative to the end of the context.
 
     Args:
-        positions: (tokens,) absolute positions of the cached tokens.
+        positions: (tokens,) or (batch, kv_heads, tokens) absolute positions of the cached tokens.
         end: length of the sequence so far (the next query's position).
         max_positions: the base model's maximum positions, for scaling.
 
     Returns:
-        (tokens, NUM_POSITION_FEATURES) float32: log-scaled distance to the end, its
+        (*positions.shape, NUM_POSITION_FEATURES) float32: log-scaled distance to the end, its
         square, relative position j/n, its square, and sin/cos of the log distance at
         two frequencies.
     """
@@ -38,22 +64,21 @@ def position_features(positions: torch.Tensor, end: int, max_positions: int) -> 
     relative = positions / max(end, 1)
     angle = math.pi * log_distance
     return torch.stack(
-        [
-            log_distance,
-            log_distance**2,
-            relative,
-            relative**2,
-            torch.sin(angle),
-            torch.cos(angle),
-            torch.sin(2 * angle),
-            torch.cos(2 * angle),
-        ],
+        [log_distance, log_distance**2, relative, relative**2,
+         torch.sin(angle), torch.cos(angle), torch.sin(2 * angle), torch.cos(2 * angle)],
         dim=-1,
     )
 
 
+def init_bias(shape: tuple[int, ...], init_keep: float) -> nn.Parameter:
+    """A bias of ``shape`` at logit(init_keep); ``init_keep`` must lie in (0, 1)."""
+    if not 0.0 < init_keep < 1.0:
+        raise ValueError(f"init_keep must be in (0, 1), got {init_keep}")
+    return nn.Parameter(torch.full(shape, math.log(init_keep / (1 - init_keep))))
+
+
 class ValueEstimator(nn.Module):
-    """Keep-score logits for cached tokens, batched over (layer, KV head).
+    """The ``seed`` family: keep-score logits from each token's key, value and position.
 
     Args:
         num_layers: decoder layers of the base model.
@@ -64,18 +89,12 @@ class ValueEstimator(nn.Module):
         init_keep: initial keep score of every token, sets the bias to logit(init_keep).
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        hidden_divisor: int = 4,
-        max_positions: int = 8192,
-        init_keep: float = 0.5,
-    ) -> None:
+    family = "seed"
+    needs: frozenset[str] = frozenset()
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_divisor: int = 4,
+                 max_positions: int = 8192, init_keep: float = 0.5) -> None:
         super().__init__()
-        if not 0.0 < init_keep < 1.0:
-            raise ValueError(f"init_keep must be in (0, 1), got {init_keep}")
         hidden = max(1, head_dim // hidden_divisor)
         shape = (num_layers, num_kv_heads)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -85,55 +104,32 @@ class ValueEstimator(nn.Module):
         self.value_in = nn.Parameter(torch.randn(*shape, head_dim, hidden) / math.sqrt(head_dim))
         self.value_in_bias = nn.Parameter(torch.zeros(*shape, hidden))
         self.value_out = nn.Parameter(torch.randn(*shape, hidden) / math.sqrt(hidden) * 0.1)
-        self.bias = nn.Parameter(torch.full(shape, math.log(init_keep / (1 - init_keep))))
+        self.bias = init_bias(shape, init_keep)
 
     def config(self) -> dict:
         """Constructor arguments, enough to rebuild this estimator."""
-        return {
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_divisor": self.hidden_divisor,
-            "max_positions": self.max_positions,
-            "init_keep": self.init_keep,
-        }
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "hidden_divisor": self.hidden_divisor, "max_positions": self.max_positions,
+                "init_keep": self.init_keep}
 
-    def forward(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        positions: torch.Tensor,
-        end: int,
-        layers: torch.Tensor | slice = slice(None),
-    ) -> torch.Tensor:
-        """Keep-score logits z.
+    def activation_floats(self) -> int:
+        """float32 values kept for the backward per (layer, KV head, token): the value MLP's hidden units + 2."""
+        return self.value_in.shape[-1] + 2
 
-        Args:
-            keys: (L', batch, kv_heads, tokens, head_dim) keys in the estimator's key view.
-            values: (L', batch, kv_heads, tokens, head_dim) values.
-            positions: (tokens,) absolute positions of the tokens, or (batch, kv_heads, tokens)
-                when each head holds its own tokens (a compressed cache).
-            end: sequence length so far (distance features are measured to it).
-            layers: which layers' parameters to use (L' of them); all by default.
-
-        Returns:
-            (L', batch, kv_heads, tokens) float32 logits.
-        """
-        keys, values = keys.float(), values.float()
+    def seed_terms(self, inputs: EstimatorInputs, layers: torch.Tensor | slice) -> torch.Tensor:
+        """a·k/√d + w·φ(p) + mlp(v) + b: (L', batch, kv_heads, tokens) float32."""
+        keys, values = inputs.keys.float(), inputs.values.float()
         key_term = torch.einsum("lbhnd,lhd->lbhn", keys, self.key_weight[layers]) / math.sqrt(self.head_dim)
         hidden = torch.einsum("lbhnd,lhdk->lbhnk", values, self.value_in[layers])
         hidden = torch.relu(hidden + self.value_in_bias[layers][:, None, :, None, :])
         value_term = torch.einsum("lbhnk,lhk->lbhn", hidden, self.value_out[layers])
-        features = position_features(positions.to(keys.device), end, self.max_positions)
+        features = position_features(inputs.positions.to(keys.device), inputs.end, self.max_positions)
         if features.dim() == 2:
             position_term = torch.einsum("nf,lhf->lhn", features, self.position_weight[layers])[:, None]
         else:
             position_term = torch.einsum("bhnf,lhf->lbhn", features, self.position_weight[layers])
         return key_term + value_term + position_term + self.bias[layers][:, None, :, None]
 
-    def score_layer(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int
-    ) -> torch.Tensor:
-        """Logits for one layer: keys/values (batch, kv_heads, tokens, head_dim) -> (batch, kv_heads, tokens)."""
-        index = torch.tensor([layer], device=self.bias.device)
-        return self.forward(keys[None], values[None], positions, end, layers=index)[0]
+    def forward(self, inputs: EstimatorInputs, layers: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Keep-score logits z: (L', batch, kv_heads, tokens) float32 (``layers`` picks the L' layers)."""
+        return self.seed_terms(inputs, layers)

@@ -33,6 +33,7 @@ re-indexed and is not supported.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -47,11 +48,13 @@ from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, compress_kv, 
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
+from curkv_train.runtime.observer import ObservationBuffer, install_observer
 from curkv_train.runtime.scorer import Scorer
 
 log = logging.getLogger(__name__)
 
-ScoreFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (layer, keys, values, positions, end, observation, token_scores) -> (batch, kv_heads, tokens) keep logits
+ScoreFn = Callable[..., torch.Tensor]
 
 
 def adaptive_keep_ratio(tokens: int) -> float:
@@ -134,18 +137,25 @@ class CurKVLayer(CacheLayerMixin):
     from their factors (a transient; the cache keeps only the factors) followed by the
     dense tokens and the new ones.
 
+    A scorer that scores each token once when it arrives (the ``hidden`` family) leaves its
+    logits in ``token_scores`` (batch, kv_heads, dense), aligned with the dense tensors; the
+    layer's recent attention inputs sit in ``observer`` (query-aware scorers read them).
+
     Args:
         layer_idx: decoder layer index (for the estimator's per-layer parameters).
         settings: the tier settings shared by all layers.
-        score_fn: (layer, keys, values, positions, end) -> (batch, kv_heads, tokens) keep logits.
+        score_fn: (layer, keys, values, positions, end, observation, token_scores) ->
+            (batch, kv_heads, tokens) keep logits of the held dense tokens.
+        observer: the layer's recorded attention inputs (filled through :meth:`observe`).
     """
 
     is_sliding = False
 
-    def __init__(self, layer_idx: int, settings: TierSettings, score_fn: ScoreFn) -> None:
+    def __init__(self, layer_idx: int, settings: TierSettings, score_fn: ScoreFn, observer: ObservationBuffer) -> None:
         super().__init__()
-        self.layer_idx, self.settings, self.score_fn = layer_idx, settings, score_fn
+        self.layer_idx, self.settings, self.score_fn, self.observer = layer_idx, settings, score_fn, observer
         self.positions: torch.Tensor | None = None
+        self.token_scores: torch.Tensor | None = None
         self.cold: list[ColdBlock] = []
         self.seen = self.compressible_seen = 0
         self.n_sink_held = self.n_warm = self.n_hot = 0
@@ -156,7 +166,13 @@ class CurKVLayer(CacheLayerMixin):
         self.keys = key_states[..., :0, :]
         self.values = value_states[..., :0, :]
         self.positions = torch.zeros(key_states.shape[:2] + (0,), dtype=torch.int16, device=self.device)
+        if self.observer.arrival_scores is not None:
+            self.token_scores = torch.zeros(key_states.shape[:2] + (0,), device=self.device)
         self.is_initialized = True
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """Record the attention inputs (batch, new, hidden_size) of the tokens the next update appends."""
+        self.observer.observe(hidden, self.seen)
 
     @property
     def cold_tokens(self) -> int:
@@ -198,6 +214,9 @@ class CurKVLayer(CacheLayerMixin):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions.to(dtype), positions.expand(*key_states.shape[:2], new)], dim=-1)
+        if self.token_scores is not None:
+            arrived = self.observer.take_arrival_scores(new, self.layer_idx)
+            self.token_scores = torch.cat([self.token_scores, arrived.to(self.token_scores.dtype)], dim=-1)
         self.seen += new
         sinks = min(self.settings.n_sink, self.seen)
         self.n_hot += new - (sinks - self.n_sink_held)
@@ -226,16 +245,19 @@ class CurKVLayer(CacheLayerMixin):
             self._spill_to_cold()
 
     def _evict(self, candidates: int, keep: int) -> None:
-        """Keep the ``keep`` best of the ``candidates`` warm tokens per head (select_kept + compress_kv)."""
-        start, stop = self.n_sink_held, self.n_sink_held + candidates
-        logits = self.score_fn(self.layer_idx, self.keys[..., start:stop, :], self.values[..., start:stop, :],
-                               self.positions[..., start:stop].long(), self.seen)
-        scores = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
-        scores[..., start:stop] = logits
+        """Keep the ``keep`` best of the ``candidates`` warm tokens per head (select_kept + compress_kv).
+
+        Every held dense token is scored (sinks and hot ones too, so a query-aware score sees
+        the whole held cache), and only the candidates compete.
+        """
+        logits = self.score_fn(self.layer_idx, self.keys, self.values, self.positions.long(), self.seen,
+                               self.observer.observation(), self.token_scores)
         # select_kept keeps ⌈ρ'·candidates⌉; ρ' = keep / candidates gives exactly ``keep``.
-        keep_idx = select_kept(scores, self.n_sink_held, self.n_hot, keep / candidates)
+        keep_idx = select_kept(logits, self.n_sink_held, self.n_hot, keep / candidates)
         self.keys, self.values = compress_kv(self.keys, self.values, keep_idx, backend=self.settings.backend)
         self.positions = self.positions.gather(-1, keep_idx)
+        if self.token_scores is not None:
+            self.token_scores = self.token_scores.gather(-1, keep_idx)
 
     def _spill_to_cold(self) -> None:
         """Factor the oldest warm tokens beyond the warm capacity into a new cold block."""
@@ -250,6 +272,8 @@ class CurKVLayer(CacheLayerMixin):
         self.keys = torch.cat([self.keys[..., :start, :], self.keys[..., stop:, :]], dim=-2)
         self.values = torch.cat([self.values[..., :start, :], self.values[..., stop:, :]], dim=-2)
         self.positions = torch.cat([self.positions[..., :start], self.positions[..., stop:]], dim=-1)
+        if self.token_scores is not None:
+            self.token_scores = torch.cat([self.token_scores[..., :start], self.token_scores[..., stop:]], dim=-1)
         self.n_warm -= overflow
 
     def _factor(self, block: torch.Tensor) -> cur.CurFactors:
@@ -275,9 +299,10 @@ class CurKVLayer(CacheLayerMixin):
         return -1
 
     def nbytes(self) -> int:
-        """Bytes held: dense K/V, positions and every cold factor."""
-        dense = [t for t in (self.keys, self.values, self.positions) if t is not None]
-        return sum(t.numel() * t.element_size() for t in dense) + sum(block.nbytes() for block in self.cold)
+        """Bytes held: dense K/V, positions, stored token scores, every cold factor and the observation window."""
+        dense = [t for t in (self.keys, self.values, self.positions, self.token_scores) if t is not None]
+        return (sum(t.numel() * t.element_size() for t in dense) + sum(block.nbytes() for block in self.cold)
+                + self.observer.nbytes())
 
     def crop(self, max_length: int) -> None:
         """Drop tokens past ``max_length``; only possible before anything was compressed."""
@@ -290,19 +315,25 @@ class CurKVLayer(CacheLayerMixin):
                              "use a fresh cache (assisted generation and cache rollback are not supported)")
         self.keys, self.values = self.keys[..., :max_length, :], self.values[..., :max_length, :]
         self.positions = self.positions[..., :max_length]
+        if self.token_scores is not None:
+            self.token_scores = self.token_scores[..., :max_length]
         self.seen = max_length
         self.n_sink_held = min(self.settings.n_sink, max_length)
         self.n_hot = max_length - self.n_sink_held
 
     def reset(self) -> None:
         """Forget everything held."""
-        self.__init__(self.layer_idx, self.settings, self.score_fn)
+        self.__init__(self.layer_idx, self.settings, self.score_fn,
+                      ObservationBuffer(self.observer.window, self.observer.arrival_scores))
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension operation to every held tensor."""
         if not self.is_initialized:
             return
         self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+        if self.token_scores is not None:
+            self.token_scores = fn(self.token_scores)
+        self.observer.map_batch(fn)
         self.cold = [ColdBlock(block.keys.map(fn), block.values.map(fn)) for block in self.cold]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -382,13 +413,26 @@ class CurKVCache(Cache):
             cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,
             compensation=compensation, compensation_ratio=compensation_ratio, max_kept_tokens=max_kept_tokens,
             backend=backend)
-        layers = [CurKVLayer(index, self.settings, self._score) for index in range(scorer.estimator.num_layers)]
+        layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
+                  for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
+        install_observer(model)
 
-    def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               end: int) -> torch.Tensor:
+    def _observer(self, layer: int) -> ObservationBuffer:
+        """An empty observation buffer sized for the scorer's needs at ``layer``."""
+        arrival = functools.partial(self.scorer.token_scores, layer) if self.scorer.scores_on_arrival else None
+        return ObservationBuffer(self.scorer.observation_window, arrival)
+
+    def observe(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
+        """Record layer ``layer_idx``'s attention inputs (batch, new, hidden_size) before its update
+        (called by the pre-hook :func:`~curkv_train.runtime.observer.install_observer` adds)."""
+        self.layers[layer_idx].observe(hidden_states)
+
+    def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
+               observation, token_scores) -> torch.Tensor:
         """Estimator logits (batch, kv_heads, tokens) for held tokens at per-head ``positions``."""
-        return self.scorer.score_layer(self.model, layer, keys, values, positions, end=end)
+        return self.scorer.score_layer(self.model, layer, keys, values, positions, end=end, observation=observation,
+                                       token_scores=token_scores)
 
     def nbytes(self) -> int:
         """Bytes actually held by the cache: K/V, CUR factors, residuals and position bookkeeping."""

@@ -13,6 +13,7 @@ from kvpress.presses.scorer_press import ScorerPress
 from torch import nn
 from transformers import PreTrainedModel
 
+from curkv_train.core.observation import Observation
 from curkv_train.errors import CurKVError
 from curkv_train.runtime.scorer import Scorer
 
@@ -25,9 +26,11 @@ PROTECTED_SCORE = 1e4
 class CurKVPress(ScorerPress):
     """Keep the tokens a trained value estimator scores highest (curkv-train's scorer).
 
-    The estimator scores every cached (layer, KV head, token) from its pre-RoPE key,
-    its value and its position (see DESIGN.md §3). The first ``n_sink`` and the last
-    ``window`` tokens get a score far above the rest so kvpress keeps them.
+    The estimator scores every cached (layer, KV head, token) with the same function as
+    training and :class:`~curkv_train.runtime.CurKVCache` (docs/design.md): from keys, values
+    and positions, plus the last hidden states kvpress hands the press (``query_aware``) or
+    each token's hidden state (``hidden``). The first ``n_sink`` and the last ``window``
+    tokens get a score far above the rest so kvpress keeps them.
 
     Budget: kvpress keeps ``max(1, int(n·(1 − compression_ratio)))`` of *all* n tokens,
     protected ones included, while curkv-train's own selection
@@ -76,8 +79,20 @@ class CurKVPress(ScorerPress):
             raise CurKVError("CurKVPress is used outside `with press(model):`; call press.post_init_from_model(model)")
         tokens = keys.shape[2]
         positions = torch.arange(tokens, device=keys.device)
-        scores = self.scorer.score_layer(self.model, module.layer_idx, keys, values, positions)
+        scores = self.scorer.score_layer(self.model, module.layer_idx, keys, values, positions,
+                                         **scorer_observation(self.scorer, module.layer_idx, hidden_states, positions))
         n_sink = self.scorer.n_sink if self.n_sink is None else self.n_sink
         window = self.scorer.window if self.window is None else self.window
         protected = (positions < n_sink) | (positions >= tokens - window)
         return scores + PROTECTED_SCORE * protected.to(scores.dtype)
+
+
+def scorer_observation(scorer: Scorer, layer: int, hidden_states: torch.Tensor, positions: torch.Tensor) -> dict:
+    """What ``scorer`` reads besides K/V, from a prefill's attention inputs (batch, tokens, hidden_size):
+    the observation window and/or each token's stored score, as :meth:`Scorer.score_layer` keywords."""
+    extra = {}
+    if scorer.observation_window:
+        extra["observation"] = Observation(hidden_states, positions)
+    if scorer.scores_on_arrival:
+        extra["token_scores"] = scorer.token_scores(layer, hidden_states)
+    return extra

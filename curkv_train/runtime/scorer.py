@@ -1,30 +1,33 @@
-"""A trained estimator packaged for inference: scores cached tokens layer by layer."""
+"""A trained estimator packaged for inference: scores one layer's cached tokens, whatever its family."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
+from curkv_train.core.observation import Observation
 from curkv_train.core.rope import key_view
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.errors import CurKVError
+from curkv_train.models.estimator import EstimatorInputs
 
 
 @dataclass
 class Scorer:
-    """A value estimator with the settings it was trained under.
+    """An estimator (any family of :mod:`curkv_train.models.estimators`) with the settings it was trained under.
 
     Attributes:
         estimator: the trained network.
         key_view: pre_rope, end_relative or post_rope (how keys are presented to it).
         n_sink, window: the always-kept spans it was trained with.
         metadata: everything else recorded at export (fingerprint, recipe, metrics).
-        keep_ratio: the keep ratio ρ it was trained for.
-        temperature: the score temperature T it was trained with (s = σ(z / T)).
+        keep_ratio: the keep ratio ρ its last training stage used (the first, if it sampled several).
+        temperature: the score temperature T of its last training stage (s = σ(z / T)).
     """
 
-    estimator: ValueEstimator
+    estimator: nn.Module
     key_view: str = "pre_rope"
     n_sink: int = 4
     window: int = 64
@@ -32,27 +35,62 @@ class Scorer:
     keep_ratio: float = 0.5
     temperature: float = 1.0
 
+    @property
+    def family(self) -> str:
+        """The estimator family: seed, query_aware or hidden."""
+        return self.estimator.family
+
+    @property
+    def observation_window(self) -> int:
+        """Tokens of recent hidden states the scorer reads (0 for families that read none)."""
+        return getattr(self.estimator, "observation_window", 0) if "query_features" in self.estimator.needs else 0
+
+    @property
+    def scores_on_arrival(self) -> bool:
+        """Whether each token's logit is computed once from its hidden state (the ``hidden`` family)."""
+        return "token_scores" in self.estimator.needs
+
+    @torch.no_grad()
+    def token_scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Per-token logits (batch, kv_heads, tokens) of arriving tokens' attention inputs (batch, tokens, hidden)."""
+        self.estimator.to(hidden.device)
+        return self.estimator.token_scores(hidden[None], layers=torch.tensor([layer], device=hidden.device))[0]
+
     @torch.no_grad()
     def score_layer(self, model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
-                    positions: torch.Tensor | None = None, end: int | None = None) -> torch.Tensor:
+                    positions: torch.Tensor | None = None, end: int | None = None,
+                    observation: Observation | None = None, token_scores: torch.Tensor | None = None) -> torch.Tensor:
         """Keep logits of one layer's cached tokens.
 
         Args:
-            model: the base model (for its rotary tables).
+            model: the base model (rotary tables; attention projections for query features).
             layer: decoder layer index.
             keys: (batch, kv_heads, tokens, head_dim) cached keys, post-RoPE as transformers caches them.
             values: (batch, kv_heads, tokens, head_dim) cached values.
             positions: (tokens,) absolute positions of the cached tokens, default 0..tokens-1; or
                 (batch, kv_heads, tokens) when each head holds its own tokens (a compressed cache).
             end: tokens seen so far (distance features are measured to it); default last position + 1.
+            observation: the layer's observation window (``query_aware`` family).
+            token_scores: (batch, kv_heads, tokens) logits stored when the tokens arrived (``hidden`` family).
 
         Returns:
             (batch, kv_heads, tokens) float32 logits, higher = keep.
         """
         if positions is None:
             positions = torch.arange(keys.shape[2], device=keys.device)
-        viewed = key_view(model, keys, positions, self.key_view)
-        self.estimator.to(keys.device)
         if end is None:
-            end = int(positions[-1] if positions.dim() == 1 else positions.max()) + 1
-        return self.estimator.score_layer(layer, viewed, values, positions, end)
+            end = int(positions.max()) + 1
+        self.estimator.to(keys.device)
+        features = None
+        if "query_features" in self.estimator.needs:
+            if observation is None:
+                raise CurKVError(f"a {self.family} scorer needs the observation window (the last "
+                                 f"{self.observation_window} hidden states of layer {layer}); none was recorded")
+            features = self.estimator.query_features(model, layer, keys, values, positions, end, observation)[None]
+        if self.scores_on_arrival and token_scores is None:
+            raise CurKVError(f"a {self.family} scorer needs each token's stored score (from its hidden state) for "
+                             f"layer {layer}; none was recorded")
+        inputs = EstimatorInputs(key_view(model, keys, positions, self.key_view, end)[None], values.float()[None],
+                                 positions, end, query_features=features,
+                                 token_scores=None if token_scores is None else token_scores[None])
+        return self.estimator(inputs, layers=torch.tensor([layer], device=keys.device))[0]

@@ -23,7 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from curkv_train.core.atomic import atomic_folder
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.errors import CurKVError
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.estimators import CLASS_FAMILIES, ESTIMATORS, check_family
 from curkv_train.runtime.scorer import Scorer
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ def scorer_record(scorer: Scorer, base_model: str | None = None, fingerprint: di
     record.update({
         "format_version": FORMAT_VERSION,
         "base_model": base,
-        "estimator": {"class": type(scorer.estimator).__name__, "config": scorer.estimator.config()},
+        "estimator": {"family": scorer.family, "class": type(scorer.estimator).__name__,
+                      "config": scorer.estimator.config()},
         "settings": {name: getattr(scorer, name) for name in SCORER_SETTINGS},
     })
     return _jsonable(record)
@@ -168,7 +169,7 @@ def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
     if expected != actual:
         raise CurKVError(f"sha256 of {weights_path} is {actual}, scorer.json records {expected}: "
                          "the file is corrupt or was changed; re-export or re-download it")
-    estimator = _load_estimator(record["estimator"]["config"], weights_path).to(device).eval().requires_grad_(False)
+    estimator = _load_estimator(record["estimator"], weights_path).to(device).eval().requires_grad_(False)
     settings = record.get("settings", {})
     scorer = Scorer(estimator, metadata=record, **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
     if model is not None:
@@ -176,13 +177,24 @@ def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
     return scorer
 
 
-def _load_estimator(config: dict, weights_path: Path) -> ValueEstimator:
-    """A ValueEstimator built from ``config`` (on the meta device: no RNG use) holding the saved weights."""
-    with torch.device("meta"):
-        estimator = ValueEstimator(**config)
+def record_family(entry: dict) -> str:
+    """The estimator family of a scorer.json ``estimator`` entry; scorers from before families are ``seed``."""
+    family = entry.get("family") or CLASS_FAMILIES.get(entry.get("class", "ValueEstimator"))
+    if family is None:
+        raise CurKVError(f"scorer.json names estimator class {entry.get('class')!r}, which this curkv-train does "
+                         "not know; upgrade curkv-train or re-export the scorer")
+    return check_family(family)
+
+
+def _load_estimator(entry: dict, weights_path: Path):
+    """The estimator a scorer.json ``estimator`` entry describes (built on the meta device: no RNG use),
+    holding the saved weights."""
+    cls = ESTIMATORS[record_family(entry)]
     try:
+        with torch.device("meta"):
+            estimator = cls(**entry["config"])
         estimator.load_state_dict(load_file(weights_path), strict=True, assign=True)
-    except RuntimeError as error:
+    except (RuntimeError, TypeError) as error:
         raise CurKVError(f"{weights_path} does not fit the estimator recorded in scorer.json "
                          f"({str(error).splitlines()[0]}); re-export the scorer") from None
     return estimator

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from curkv_train.objective import TrainingSettings
 from curkv_train.system import CurKVModule
 
 # fp32 base: the backends differ only in accumulation order (fused online softmax vs
@@ -45,8 +46,10 @@ def distill_step(module: CurKVModule, hard: bool) -> dict:
     """
     ids = torch.randint(0, 259, (2, 48), generator=torch.Generator().manual_seed(3))
     module.estimator.zero_grad(set_to_none=True)
-    capture, continuation, teacher = module.teacher_pass(ids, 40)
-    out = module.distill(capture, continuation, teacher, keep_ratio=0.5, hard=hard)
+    capture = module.capture_context(ids, 40)
+    continuation = ids[:, 40:]
+    teacher = module.teacher_hidden(capture, continuation)
+    out = module.distill(capture, continuation, teacher, TrainingSettings(keep_ratio=0.5, hard_topk=hard))
     names, params = zip(*module.estimator.named_parameters())
     kl_grads = torch.autograd.grad(out["kl"], params, retain_graph=True)
     out["loss"].backward()

@@ -43,7 +43,7 @@ def test_mask_none_is_read_bottom_right_causal(models):
     assert not torch.allclose(out[:, 2], moved[:, 2])
 
 
-@pytest.mark.parametrize("mode", ["full", "capture", "scored"])
+@pytest.mark.parametrize("mode", ["full", "reconstruct", "scored"])
 def test_patched_model_matches_eager_model(models, mode):
     patched, reference = models
     ids = torch.randint(0, 259, (2, 40))
@@ -52,6 +52,6 @@ def test_patched_model_matches_eager_model(models, mode):
     with torch.no_grad():
         torch.testing.assert_close(patched(ids, curkv_state=state).logits, reference(ids).logits,
                                    atol=1e-5, rtol=1e-5)
-    if mode == "capture":
-        assert set(state.attention_mass) == {0, 1}
-        assert state.attention_mass[0].shape == (2, 2, 10)
+    if mode == "reconstruct":
+        assert set(state.reconstruction) == {0, 1}
+        assert state.reconstruction[0].shape == (2, 2, 10)

@@ -6,7 +6,7 @@ import torch
 from curkv_train.core.rope import key_view
 from curkv_train.core.selection import compressible_mask, kept_count
 from curkv_train.models.capture import prefill_context
-from curkv_train.objective import chunked_kl, hard_keep_mask, keep_bias
+from curkv_train.objective import TrainingSettings, chunked_kl, hard_keep_mask, keep_bias
 from curkv_train.system import CurKVModule
 
 
@@ -23,8 +23,15 @@ def batch(context=40, continuation=12, size=2):
     return torch.randint(0, 259, (size, context + continuation), generator=generator), context
 
 
+def teacher_pass(module, ids, context):
+    """(capture, continuation ids, teacher hidden states) of one batch."""
+    capture = module.capture_context(ids, context)
+    continuation = ids[:, context:]
+    return capture, continuation, module.teacher_hidden(capture, continuation)
+
+
 def student_logits(module, ids, context, bias):
-    capture, continuation, teacher = module.teacher_pass(ids, context)
+    capture, continuation, teacher = teacher_pass(module, ids, context)
     student = module.student_hidden(capture, continuation, bias)
     head = module.base.get_output_embeddings()
     return head(teacher), head(student)
@@ -47,9 +54,9 @@ def test_evicting_keys_changes_student(module):
 
 def test_keep_ratio_one_gives_zero_loss(module):
     ids, context = batch()
-    capture, continuation, teacher = module.teacher_pass(ids, context)
+    capture, continuation, teacher = teacher_pass(module, ids, context)
     for hard in (False, True):
-        out = module.distill(capture, continuation, teacher, keep_ratio=1.0, hard=hard)
+        out = module.distill(capture, continuation, teacher, TrainingSettings(keep_ratio=1.0, hard_topk=hard))
         assert out["loss"].item() == pytest.approx(0.0, abs=1e-6)
 
 
@@ -58,8 +65,8 @@ def test_training_step_updates_only_the_estimator(module):
     base_before = {name: p.clone() for name, p in module.base.named_parameters()}
     estimator_before = {name: p.clone() for name, p in module.estimator.named_parameters()}
     optimizer = module.configure_optimizers()
-    capture, continuation, teacher = module.teacher_pass(ids, context)
-    out = module.distill(capture, continuation, teacher, keep_ratio=0.5, hard=False)
+    capture, continuation, teacher = teacher_pass(module, ids, context)
+    out = module.distill(capture, continuation, teacher, TrainingSettings(keep_ratio=0.5))
     out["loss"].backward()
     optimizer.step()
     for name, parameter in module.base.named_parameters():
@@ -100,12 +107,13 @@ def test_chunked_kl_matches_direct_kl():
 
 def test_pre_rope_key_view_recovers_projected_keys(module):
     ids, _ = batch(context=20, continuation=0, size=1)
-    capture = prefill_context(module.base, ids, view="pre_rope")
+    capture = prefill_context(module.base, ids)
     layer = module.base.model.layers[0]
     hidden = layer.input_layernorm(module.base.model.embed_tokens(ids))
     projected = layer.self_attn.k_proj(hidden).view(1, 20, 2, 16).transpose(1, 2)
-    torch.testing.assert_close(capture.keys[0], projected, atol=1e-5, rtol=1e-5)
-    relative = key_view(module.base, capture.cache.layers[0].keys, capture.positions, "end_relative")
+    viewed = key_view(module.base, capture.cached_keys(0), capture.positions, "pre_rope")
+    torch.testing.assert_close(viewed, projected, atol=1e-5, rtol=1e-5)
+    relative = key_view(module.base, capture.cached_keys(0), capture.positions, "end_relative")
     assert relative.shape == projected.shape
 
 
@@ -113,12 +121,12 @@ def test_validation_measures_the_recipe_ratio_not_the_curriculum_one(module, mon
     seen = []
     original = module.distill
 
-    def spy(*args, keep_ratio, hard):
-        seen.append(keep_ratio)
-        return original(*args, keep_ratio=keep_ratio, hard=hard)
+    def spy(capture, continuation, teacher, settings, target=None):
+        seen.append(settings.keep_ratio)
+        return original(capture, continuation, teacher, settings, target)
 
     monkeypatch.setattr(module, "distill", spy)
-    module.keep_ratio = 0.3  # what a curriculum stage would set
+    module.apply_stage(TrainingSettings(keep_ratio=0.3))  # what a curriculum stage would set
     ids, context = batch()
     module.validation_step({"input_ids": ids, "context_length": context}, 0)
     assert seen == [0.5, 0.5]

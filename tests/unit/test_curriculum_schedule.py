@@ -1,10 +1,10 @@
 """Curriculum: stage boundaries, values applied to the module and the data, state across a resume."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from curkv_train.callbacks.curriculum import Curriculum, Stage
+from curkv_train.errors import CurKVError
+from curkv_train.objective import TrainingSettings
 
 STAGES = [
     Stage(steps=2, context_length=96, continuation_length=8, warm_start=True),
@@ -13,12 +13,36 @@ STAGES = [
 ]
 
 
+class FakeModule:
+    """What the curriculum needs of the LightningModule: its settings and apply_stage."""
+
+    def __init__(self) -> None:
+        self.settings = TrainingSettings()
+
+    def apply_stage(self, settings: TrainingSettings) -> None:
+        self.settings = settings
+
+
+class FakeData:
+    """What the curriculum needs of the data module: set_block_shape."""
+
+    def __init__(self) -> None:
+        self.context_length, self.continuation_length = 64, 16
+
+    def set_block_shape(self, context_length=None, continuation_length=None) -> None:
+        self.context_length = context_length or self.context_length
+        self.continuation_length = continuation_length or self.continuation_length
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.global_step, self.datamodule = 0, FakeData()
+
+
 def fake_run():
-    """A module, a train dataset and a trainer holding them, with the attributes the callback sets."""
-    module = SimpleNamespace(keep_ratio=0.5, budget_weight=0.4, temperature=1.0, hard_topk=False, warm_start=False)
-    train_set = SimpleNamespace(context_length=64, continuation_length=16)
-    trainer = SimpleNamespace(global_step=0, datamodule=SimpleNamespace(datasets={"train": train_set}))
-    return trainer, module, train_set
+    """A module, a data module and a trainer holding it."""
+    trainer = FakeTrainer()
+    return trainer, FakeModule(), trainer.datamodule
 
 
 @pytest.mark.parametrize(("step", "stage"), [(0, 0), (1, 0), (2, 1), (4, 1), (5, 2), (6, 2), (100, 2)])
@@ -32,8 +56,9 @@ def test_values_are_applied_and_inherited():
     seen = []
     for step in range(7):
         curriculum.apply(trainer, module, step)
+        settings = module.settings
         seen.append((curriculum.stage_index, train_set.context_length, train_set.continuation_length,
-                     module.keep_ratio, module.temperature, module.hard_topk, module.warm_start))
+                     settings.keep_ratio, settings.temperature, settings.hard_topk, settings.warm_start))
     assert seen == [
         (0, 96, 8, 0.5, 1.0, False, True),
         (0, 96, 8, 0.5, 1.0, False, True),
@@ -57,4 +82,24 @@ def test_state_is_restored_on_resume():
     assert after.stage_index == 1
     resumed_trainer.global_step = 3
     after.on_train_start(resumed_trainer, resumed_module)
-    assert vars(resumed_module) == vars(module) and vars(resumed_set) == vars(train_set)
+    assert resumed_module.settings == module.settings and vars(resumed_set) == vars(train_set)
+
+
+def test_compression_range_draws_each_step_within_the_range_and_repeats_on_resume():
+    stages = [Stage(steps=50, compression_range=[0.3, 0.8], hard_topk=True)]
+    trainer, module, _ = fake_run()
+    ratios = []
+    for step in range(50):
+        Curriculum(stages).apply(trainer, module, step)
+        ratios.append(module.settings.keep_ratio)
+    assert all(0.2 <= ratio <= 0.7 for ratio in ratios) and len(set(ratios)) == 50
+    assert min(ratios) < 0.3 and max(ratios) > 0.6  # spread over the range
+    again = FakeModule()
+    Curriculum(stages).apply(trainer, again, 17)
+    assert again.settings.keep_ratio == ratios[17]
+
+
+@pytest.mark.parametrize("bounds", [[0.8, 0.3], [0.3, 1.0], [0.5]])
+def test_bad_compression_range_is_rejected(bounds):
+    with pytest.raises(CurKVError, match="compression_range"):
+        Curriculum([Stage(steps=1, compression_range=bounds)])

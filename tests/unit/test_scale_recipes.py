@@ -17,6 +17,7 @@ from curkv_train.distributed import KeepDtypesFSDPPrecision, prepare_rank_zero_l
 from curkv_train.errors import CurKVError
 from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config
 from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.estimators import build_estimator
 from curkv_train.plan import parse_recipe
 from recipe_flags import ON_CPU
 
@@ -77,8 +78,7 @@ def test_llama2_70b_base_on_meta_and_its_estimator(tmp_path):
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (80, 8, 128)
     base = build_meta_model(config)
     assert len(base.model.layers) == 80 and base.model.layers[79].self_attn.v_proj.weight.shape == (1024, 8192)
-    estimator = ValueEstimator(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                               hidden_divisor=cli.model.hparams.hidden_divisor)
+    estimator = build_estimator(cli.model.hparams.estimator, shape, **(cli.model.hparams.estimator_options or {}))
     assert abs(sum(p.numel() for p in estimator.parameters()) - 2.75e6) < 0.01e6
 
 

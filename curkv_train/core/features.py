@@ -1,0 +1,140 @@
+"""The one feature function of query-aware scorers: what the observation window says about every cached token.
+
+Training capture, :class:`~curkv_train.runtime.CurKVCache` (after prefill and at every
+re-compression) and :class:`~curkv_train.runtime.CurKVPress` all call :func:`query_features`,
+so a scorer sees the same inputs wherever it runs. Per (batch, KV head, token j), from the
+pre-RoPE queries q_1..q_W of the last W tokens (the observation window):
+
+- ``window_attention``: SnapKV's signal, the attention the window's queries (rotated to their
+  own positions, causal) pay token j, averaged over the window, average-pooled over
+  ``pool_kernel`` neighbouring tokens, averaged over the KV head's query heads; log(n·p).
+- ``expected_attention``: ExpectedAttention's signal, softmax over tokens of
+  s·μ'·k_j + ½·s²·k_jᵀΣ'k_j with μ, Σ the window queries' mean and covariance rotated by RoPE
+  averaged over the next ``future_positions`` positions; group-averaged; log(n·p).
+- ``value_norm``: log ‖v_j‖.
+- ``output_norm``: log ‖W_O v_j‖, averaged over the KV head's query heads (what token j can
+  write into the residual stream; KVzip+ and CriticalKV weigh by it).
+
+Each feature is centred over the scored tokens of its (batch, KV head), so a weighted sum of
+them is a logit near 0 on average; centring changes no ranking.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from curkv_train.core.observation import Observation, attention_module, pre_rope_queries
+from curkv_train.core.rope import average_rotation, rotary_tables, rotate
+
+QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
+EPSILON = 1e-6
+
+
+def query_features(model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                   positions: torch.Tensor, end: int, observation: Observation, *,
+                   future_positions: int = 512, pool_kernel: int = 5) -> torch.Tensor:
+    """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
+
+    Args:
+        model: the base model (attention projections and rotary tables of ``layer``).
+        layer: decoder layer index.
+        keys: (batch, kv_heads, tokens, head_dim) keys as cached (post-RoPE).
+        values: (batch, kv_heads, tokens, head_dim) values.
+        positions: (tokens,) absolute positions, or (batch, kv_heads, tokens) when each head
+            holds its own tokens (a compressed cache).
+        end: tokens seen so far (the next query's position).
+        observation: the layer's observation window (hidden states and positions).
+        future_positions: positions after ``end`` the RoPE rotation is averaged over.
+        pool_kernel: odd width of the window-attention pooling.
+
+    Returns:
+        (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
+    """
+    module = attention_module(model, layer)
+    batch, kv_heads, tokens, dim = keys.shape
+    queries = pre_rope_queries(module, observation.hidden).float()
+    group = queries.shape[1] // kv_heads
+    keys = keys.float()
+    scale = getattr(module, "scaling", dim**-0.5)
+    window = window_attention(model, queries, keys, positions, observation.positions, scale, pool_kernel)
+    expected = expected_attention(model, queries, keys, end, scale, future_positions)
+    value_norm = values.float().norm(dim=-1).clamp_min(EPSILON).log()
+    output_norm = output_norms(module, values, group).clamp_min(EPSILON).log()
+    features = torch.stack([window, expected, value_norm, output_norm], dim=-1)
+    return features - features.mean(dim=2, keepdim=True)
+
+
+def _log_share(probs: torch.Tensor) -> torch.Tensor:
+    """log(n·p) of attention shares p (..., n): 0 where a token gets the uniform share."""
+    return (probs * probs.shape[-1] + EPSILON).log()
+
+
+def window_attention(model: PreTrainedModel, queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                     query_positions: torch.Tensor, scale: float, pool_kernel: int) -> torch.Tensor:
+    """log(n·p) of the pooled attention the window pays each key: (batch, kv_heads, tokens).
+
+    Args:
+        queries: (batch, heads, W, head_dim) pre-RoPE window queries.
+        keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
+        positions, query_positions: absolute positions of keys ((tokens,) or (batch, kv_heads,
+            tokens)) and of the window queries (W,); a query sees keys at or before its position.
+    """
+    batch, kv_heads, tokens, dim = keys.shape
+    tables = rotary_tables(model, query_positions, queries)
+    rotated = rotate(queries, *tables) if tables is not None else queries
+    grouped = rotated.reshape(batch, kv_heads, -1, rotated.shape[2], dim)
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", grouped, keys) * scale
+    key_positions = positions.to(keys.device).reshape(*positions.shape[:-1], 1, 1, tokens)  # (..., g, W, n)
+    future = key_positions > query_positions.to(keys.device).reshape(-1, 1)
+    probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1).nan_to_num(0.0).mean(dim=3)
+    pooled = F.avg_pool1d(probs.reshape(batch, -1, tokens), pool_kernel, stride=1, padding=pool_kernel // 2)
+    return _log_share(pooled.reshape(batch, kv_heads, -1, tokens).mean(dim=2))
+
+
+def expected_attention(model: PreTrainedModel, queries: torch.Tensor, keys: torch.Tensor, end: int, scale: float,
+                       future_positions: int) -> torch.Tensor:
+    """log(n·p) of the attention a Gaussian future query pays each key: (batch, kv_heads, tokens).
+
+    Args:
+        queries: (batch, heads, W, head_dim) pre-RoPE window queries (their mean and covariance).
+        keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
+        end: the next query's position; the rotation is averaged over [end, end + future_positions).
+    """
+    batch, kv_heads, tokens, dim = keys.shape
+    mean = queries.mean(dim=2)
+    centred = queries - mean[:, :, None]
+    covariance = centred.transpose(-1, -2) @ centred / queries.shape[2]
+    rotation = average_rotation(model, end, future_positions, dim, keys)
+    mean = (mean @ rotation.T).reshape(batch, kv_heads, -1, dim)
+    covariance = (rotation @ covariance @ rotation.T).reshape(batch, kv_heads, -1, dim, dim)
+    linear = torch.einsum("bhgd,bhnd->bhgn", mean, keys) * scale
+    quadratic = ((keys[:, :, None] @ covariance) * keys[:, :, None]).sum(dim=-1)
+    probs = (linear + 0.5 * scale**2 * quadratic).softmax(dim=-1)
+    return _log_share(probs.mean(dim=2))
+
+
+def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int) -> torch.Tensor:
+    """‖W_O v_j‖ averaged over the KV head's query heads: (batch, kv_heads, tokens).
+
+    Args:
+        module: the attention module (its ``o_proj`` maps heads × head_dim to hidden_size).
+        values: (batch, kv_heads, tokens, head_dim).
+        group: query heads per KV head.
+    """
+    return head_output_norms(module, values, group).mean(dim=2)
+
+
+def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int) -> torch.Tensor:
+    """‖W_O^(h,g) v_j‖ for every query head g of each KV head h: (batch, kv_heads, group, tokens).
+
+    W_O^(h,g) is the slice of ``o_proj`` that reads query head h·group + g, so this is the size
+    of what token j writes into the residual stream through that head when fully attended.
+    """
+    batch, kv_heads, tokens, dim = values.shape
+    weight = module.o_proj.weight.float().reshape(-1, kv_heads, group, dim)  # (hidden, kv_heads, group, d)
+    gram = torch.einsum("ohgd,ohge->hgde", weight, weight)
+    values = values.float()
+    squared = torch.einsum("bhnd,hgde,bhne->bhgn", values, gram, values)
+    return squared.clamp_min(0).sqrt()

@@ -1,0 +1,94 @@
+"""The ``query_aware`` family: the seed's terms plus what the context's own queries say about each token.
+
+    z_j = seed_terms_j + w_{l,h}·f_j + mlp_{l,h}(f_j)
+
+with f_j the :data:`~curkv_train.core.features.QUERY_FEATURES` of token j (window attention,
+expected attention, log ‖v‖, log ‖W_O v‖, each centred per head). Initialised so that before
+training it ranks exactly like a training-free rule (``init_rule``): the seed terms' weights and
+the MLP's output start at zero and w is that rule's combination; training learns the residual.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from curkv_train.core.features import QUERY_FEATURES, query_features
+from curkv_train.core.observation import Observation
+from curkv_train.models.estimator import EstimatorInputs, ValueEstimator
+
+# rule -> weights on QUERY_FEATURES (log scores, so a sum is a product of the rule's factors)
+INIT_RULES = {
+    "expected_attention": {"expected_attention": 1.0, "value_norm": 1.0},  # ExpectedAttention × ‖v‖
+    "snapkv": {"window_attention": 1.0},
+    "critical": {"expected_attention": 1.0, "output_norm": 1.0},  # expected attention × ‖W_O v‖
+}
+
+
+class QueryAwareEstimator(ValueEstimator):
+    """Seed terms plus a learned per-(layer, KV head) function of the query features.
+
+    Args:
+        num_layers, num_kv_heads, head_dim, hidden_divisor, max_positions, init_keep: as the seed.
+        observation_window: W, the last W tokens whose queries the features read.
+        future_positions: positions after the end the expected-attention rotation averages over.
+        pool_kernel: odd pooling width of the window-attention feature.
+        feature_hidden: width of the residual MLP over the features.
+        init_rule: the training-free rule it ranks like before training (a key of INIT_RULES).
+    """
+
+    family = "query_aware"
+    needs = frozenset({"query_features"})
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_divisor: int = 4,
+                 max_positions: int = 8192, init_keep: float = 0.5, observation_window: int = 64,
+                 future_positions: int = 512, pool_kernel: int = 5, feature_hidden: int = 8,
+                 init_rule: str = "expected_attention") -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, hidden_divisor, max_positions, init_keep)
+        if init_rule not in INIT_RULES:
+            raise ValueError(f"unknown init_rule {init_rule!r}; expected one of {', '.join(INIT_RULES)}")
+        if observation_window < 1 or pool_kernel < 1 or pool_kernel % 2 == 0:
+            raise ValueError(f"need observation_window >= 1 and an odd pool_kernel, got {observation_window}, "
+                             f"{pool_kernel}")
+        self.observation_window, self.future_positions, self.pool_kernel = observation_window, future_positions, pool_kernel
+        self.feature_hidden, self.init_rule = feature_hidden, init_rule
+        shape, count = (num_layers, num_kv_heads), len(QUERY_FEATURES)
+        rule = torch.tensor([INIT_RULES[init_rule].get(name, 0.0) for name in QUERY_FEATURES])
+        self.feature_weight = nn.Parameter(rule.expand(*shape, count).clone())
+        self.feature_in = nn.Parameter(torch.randn(*shape, count, feature_hidden) / math.sqrt(count))
+        self.feature_in_bias = nn.Parameter(torch.zeros(*shape, feature_hidden))
+        self.feature_out = nn.Parameter(torch.zeros(*shape, feature_hidden))
+        with torch.no_grad():
+            self.value_out.zero_()
+
+    def config(self) -> dict:
+        """Constructor arguments, enough to rebuild this estimator."""
+        return {**super().config(), "observation_window": self.observation_window,
+                "future_positions": self.future_positions, "pool_kernel": self.pool_kernel,
+                "feature_hidden": self.feature_hidden, "init_rule": self.init_rule}
+
+    def activation_floats(self) -> int:
+        """float32 values kept for the backward per (layer, KV head, token): the seed's, features, feature MLP."""
+        return super().activation_floats() + len(QUERY_FEATURES) + self.feature_hidden
+
+    def query_features(self, model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                       positions: torch.Tensor, end: int, observation: Observation) -> torch.Tensor:
+        """This estimator's features of one layer, (batch, kv_heads, tokens, F): :func:`query_features`
+        with its observation window, future positions and pooling (training, cache and press all call this)."""
+        return query_features(model, layer, keys, values, positions, end, observation.last(self.observation_window),
+                              future_positions=self.future_positions, pool_kernel=self.pool_kernel)
+
+    def forward(self, inputs: EstimatorInputs, layers: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Keep-score logits (L', batch, kv_heads, tokens) float32; needs ``inputs.query_features``."""
+        features = inputs.query_features
+        if features is None:
+            raise ValueError("the query_aware estimator needs query_features (see curkv_train.core.features)")
+        features = features.float()
+        linear = torch.einsum("lbhnf,lhf->lbhn", features, self.feature_weight[layers])
+        hidden = torch.einsum("lbhnf,lhfk->lbhnk", features, self.feature_in[layers])
+        hidden = torch.relu(hidden + self.feature_in_bias[layers][:, None, :, None, :])
+        residual = torch.einsum("lbhnk,lhk->lbhn", hidden, self.feature_out[layers])
+        return self.seed_terms(inputs, layers) + linear + residual

@@ -1,0 +1,83 @@
+"""How CurKVCache sees what a query-aware or hidden-state scorer reads: the layers' attention inputs.
+
+A transformers Cache only receives keys and values. :func:`install_observer` adds a forward
+pre-hook to every decoder attention module of a model; when the call's ``past_key_values`` is a
+cache with an ``observe(layer, hidden_states)`` method (CurKVCache), the hook hands it the
+module's input hidden states before the module runs (and so before the cache's ``update``).
+With any other cache the hook does nothing. Installing twice is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from curkv_train.core.observation import Observation, attention_modules
+from curkv_train.errors import CurKVError
+
+HOOK_ATTRIBUTE = "_curkv_observer_hook"
+
+
+def _observe(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    cache = kwargs.get("past_key_values")
+    observe = getattr(cache, "observe", None)
+    if observe is not None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        observe(module.layer_idx, hidden)
+
+
+def install_observer(model: PreTrainedModel) -> None:
+    """Register the observing pre-hook on every attention module of ``model`` (idempotent)."""
+    for module in attention_modules(model):
+        if getattr(module, HOOK_ATTRIBUTE, None) is None:
+            setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(_observe, with_kwargs=True))
+
+
+class ObservationBuffer:
+    """One layer's recent attention inputs, and the per-token scores of tokens that just arrived.
+
+    Args:
+        window: how many of the latest hidden states to keep (0: keep none).
+        arrival_scores: (hidden (batch, new, hidden_size)) -> (batch, kv_heads, new) logits of
+            arriving tokens, for scorers that score a token once when it arrives; else None.
+    """
+
+    def __init__(self, window: int, arrival_scores: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.window, self.arrival_scores = window, arrival_scores
+        self.hidden: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+
+    def observe(self, hidden: torch.Tensor, start: int) -> None:
+        """Record attention inputs (batch, new, hidden_size) of tokens at positions start, start + 1, ..."""
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)
+        if self.window:
+            kept = hidden.detach() if self.hidden is None else torch.cat([self.hidden, hidden.detach()], dim=1)
+            every = positions if self.positions is None else torch.cat([self.positions, positions])
+            self.hidden, self.positions = kept[:, -self.window:], every[-self.window:]
+        if self.arrival_scores is not None:
+            self.pending = self.arrival_scores(hidden)
+
+    def take_arrival_scores(self, new: int, layer: int) -> torch.Tensor:
+        """The scores of the ``new`` tokens being appended (batch, kv_heads, new); an error if none arrived."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.shape[-1] != new:
+            raise CurKVError(f"layer {layer} received {new} new tokens but their hidden states were not observed: "
+                             "pass the CurKVCache to the model it was built with "
+                             "(model(..., past_key_values=cache) or model.generate(..., past_key_values=cache))")
+        return pending
+
+    def observation(self) -> Observation | None:
+        """The recorded window, or None if nothing was observed (or no window is kept)."""
+        return None if self.hidden is None else Observation(self.hidden, self.positions)
+
+    def nbytes(self) -> int:
+        """Bytes held by the recorded window."""
+        return 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-dimension operation to the recorded hidden states."""
+        if self.hidden is not None:
+            self.hidden = fn(self.hidden)
