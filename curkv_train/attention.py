@@ -59,8 +59,8 @@ def curkv_attention_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     curkv_state: CompressionState | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:

@@ -1,0 +1,185 @@
+"""Estimator families: one feature function gives the same scores in training capture, CurKVCache and
+CurKVPress; a query-aware scorer starts out ranking like its training-free rule; bad input is refused."""
+
+import pytest
+import torch
+
+from curkv_train.attention import patch_model
+from curkv_train.core.observation import Observation
+from curkv_train.core.rope import KEY_VIEWS
+from curkv_train.core.selection import compressible_mask
+from curkv_train.core.shapes import kv_shape
+from curkv_train.errors import CurKVError
+from curkv_train.eval.context import LayerContext
+from curkv_train.eval.methods import ExpectedAttentionScore
+from curkv_train.models.base import TINY_RANDOM, load_base_model
+from curkv_train.models.capture import estimator_inputs, prefill_context
+from curkv_train.models.estimators import FAMILIES, build_estimator
+from curkv_train.runtime import CurKVCache
+from runtime_helpers import family_scorer, single_threaded
+
+CONTEXT = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    with single_threaded():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 259, (1, CONTEXT), generator=torch.Generator().manual_seed(5))
+
+
+def training_logits(scorer, ids):
+    """What the training step computes: prefill capture -> estimator_inputs -> estimator."""
+    base = patch_model(load_base_model(TINY_RANDOM))
+    estimator = scorer.estimator
+    record = 0 if "token_scores" in estimator.needs else getattr(estimator, "observation_window", None)
+    capture = prefill_context(base, ids, record_last=record if estimator.needs else None)
+    with torch.no_grad():
+        return estimator(estimator_inputs(base, estimator, capture, scorer.key_view))
+
+
+def cache_logits(scorer, model, ids):
+    """What CurKVCache scores at its first compression, right after the prefill."""
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    seen = {}
+    original = cache._score
+
+    def spy(layer, *args, **kwargs):
+        seen[layer] = original(layer, *args, **kwargs)
+        return seen[layer]
+
+    for layer in cache.layers:
+        layer.score_fn = spy
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    return torch.stack([seen[layer] for layer in sorted(seen)])
+
+
+def press_logits(scorer, model, ids):
+    """What CurKVPress's score gives each layer during a kvpress prefill (protection lifted back off)."""
+    pytest.importorskip("kvpress")
+    from curkv_train.runtime import CurKVPress
+    from curkv_train.runtime.press import PROTECTED_SCORE
+
+    press = CurKVPress(scorer=scorer, compression_ratio=0.5, n_sink=0, window=0)
+    seen = {}
+    original = press.score
+
+    def spy(module, *args):
+        seen[module.layer_idx] = original(module, *args)
+        return seen[module.layer_idx]
+
+    press.score = spy
+    with torch.no_grad(), press(model):
+        model(ids)
+    assert PROTECTED_SCORE > 0
+    return torch.stack([seen[layer] for layer in sorted(seen)])
+
+
+@pytest.mark.parametrize("key_view", KEY_VIEWS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_cache_and_press_score_a_prefill_alike(model, ids, family, key_view):
+    scorer = family_scorer(family, key_view)
+    trained = training_logits(scorer, ids)
+    cached = cache_logits(scorer, model, ids)
+    pressed = press_logits(scorer, model, ids)
+    assert trained.shape == cached.shape == pressed.shape == (2, 1, 2, CONTEXT)
+    assert trained.std() > 0.1  # not a constant score
+    torch.testing.assert_close(cached, trained, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pressed, trained, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_keep_one_generation_is_unchanged(model, ids, family):
+    scorer = family_scorer(family)
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+        cached = model.generate(ids, past_key_values=CurKVCache(scorer, model=model, keep_ratio=1.0),
+                                max_new_tokens=24, do_sample=False)
+    assert torch.equal(plain, cached)
+
+
+def test_untrained_query_aware_ranks_like_expected_attention(model, ids):
+    """Before training, z = log expected attention + log ||v|| (centred): ExpectedAttention's order."""
+    shape = kv_shape(model.config)
+    estimator = build_estimator("query_aware", shape, observation_window=32, future_positions=64)
+    base = patch_model(load_base_model(TINY_RANDOM))
+    capture = prefill_context(base, ids, record_last=32)
+    with torch.no_grad():
+        logits = estimator(estimator_inputs(base, estimator, capture, "pre_rope"))
+    for layer in range(shape.num_layers):
+        window = capture.observation(layer, CONTEXT)
+        module = base.get_decoder().layers[layer].self_attn
+        queries = module.q_proj(window.hidden).view(1, 32, 4, 16).transpose(1, 2)
+        ctx = LayerContext(layer=layer, keys=capture.cached_keys(layer), values=capture.values[layer],
+                           positions=capture.positions, queries=queries, rotary=(torch.ones(1), torch.zeros(1)),
+                           scaling=module.scaling, model=base, n_sink=0)
+        rule = ExpectedAttentionScore(n_future_positions=64, n_sink=0)(ctx)
+        assert torch.equal(logits[layer].argsort(dim=-1), rule.argsort(dim=-1))
+
+
+def test_query_aware_cache_without_observations_is_an_error(model):
+    scorer = family_scorer("query_aware")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    keys = torch.randn(1, 2, 200, 16)
+    with pytest.raises(CurKVError, match="observation window"):
+        cache.update(keys, keys, 0)
+
+
+def test_hidden_cache_without_hidden_states_is_an_error(model):
+    scorer = family_scorer("hidden")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    keys = torch.randn(1, 2, 10, 16)
+    with pytest.raises(CurKVError, match="hidden states were not observed"):
+        cache.update(keys, keys, 0)
+
+
+def test_unknown_family_is_refused():
+    with pytest.raises(CurKVError, match="unknown estimator family 'snapkv'"):
+        build_estimator("snapkv", kv_shape(load_base_model(TINY_RANDOM).config))
+
+
+def test_scorer_json_of_another_family_than_its_weights_is_refused(tmp_path, model):
+    import json
+
+    from curkv_train.runtime import load_scorer, save_scorer
+    from curkv_train.runtime.serialization import CONFIG_FILE, file_sha256
+
+    folder = save_scorer(family_scorer("seed"), tmp_path / "seed")
+    record = json.loads((folder / CONFIG_FILE).read_text())
+    record["estimator"]["family"] = "hidden"
+    (folder / CONFIG_FILE).write_text(json.dumps(record))
+    with pytest.raises(CurKVError, match="does not fit the estimator"):
+        load_scorer(folder)
+    record["estimator"]["family"] = "oracle"
+    (folder / CONFIG_FILE).write_text(json.dumps(record))
+    with pytest.raises(CurKVError, match="unknown estimator family 'oracle'"):
+        load_scorer(folder)
+    assert file_sha256(folder / "scorer.safetensors")
+
+
+def test_family_round_trips_through_export(tmp_path):
+    from curkv_train.runtime import load_scorer, save_scorer
+
+    for family in FAMILIES:
+        scorer = family_scorer(family)
+        loaded = load_scorer(save_scorer(scorer, tmp_path / family))
+        assert loaded.family == family and loaded.estimator.config() == scorer.estimator.config()
+        for name, tensor in scorer.estimator.state_dict().items():
+            assert torch.equal(loaded.estimator.state_dict()[name], tensor)
+
+
+def test_observation_window_takes_the_last_tokens():
+    observation = Observation(torch.arange(10.0).view(1, 10, 1), torch.arange(5, 15))
+    last = observation.last(3)
+    assert last.hidden.flatten().tolist() == [7.0, 8.0, 9.0] and last.positions.tolist() == [12, 13, 14]
+    assert compressible_mask(10, 2, 3).sum() == 5
