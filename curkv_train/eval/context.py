@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from curkv_train.core.rope import average_rotation, rotate
+from curkv_train.core.observation import attention_module, pre_rope_queries
+from curkv_train.core.rope import average_rotation, rotary_tables, rotate
 
 QUERY_CHUNK = 256
 
@@ -27,11 +28,13 @@ class LayerContext:
         keys: (batch, kv_heads, tokens, head_dim) cached keys, post-RoPE as transformers caches them.
         values: (batch, kv_heads, tokens, head_dim) cached values.
         positions: (tokens,) absolute positions of the cached tokens.
-        queries: (batch, heads, tokens, head_dim) the context's pre-RoPE queries, or None.
-        rotary: (cos, sin), each (tokens, head_dim), that rotated the context; None = no RoPE.
+        hidden: (batch, tokens, hidden_size) the layer's attention inputs (queries are derived from
+            them with the layer's own projection), or None.
+        queries: (batch, heads, tokens, head_dim) pre-RoPE queries given directly (tests); overrides hidden.
         probs: (batch, heads, tokens, tokens) a given attention matrix (tests); overrides queries.
-        scaling: the attention logit scale (head_dim ** -0.5 for Llama).
-        model: the base model (rotary tables for future positions, the trained scorer); may be None.
+        scaling: the attention logit scale; default the layer's own (head_dim ** -0.5 without a model).
+        model: the base model (attention projections, rotary tables, the trained scorer); may be None
+            when neither hidden states nor RoPE are involved.
         n_sink, window: the always-kept spans of the selection.
         seed: seed for stochastic methods, distinct per example and layer.
     """
@@ -40,8 +43,8 @@ class LayerContext:
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    hidden: torch.Tensor | None = None
     queries: torch.Tensor | None = None
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
     probs: torch.Tensor | None = None
     scaling: float | None = None
     model: PreTrainedModel | None = None
@@ -58,8 +61,16 @@ class LayerContext:
     @property
     def group_size(self) -> int:
         """Query heads per KV head."""
-        heads = (self.probs if self.probs is not None else self.queries).shape[1]
+        heads = (self.probs if self.probs is not None else self.pre_rope_queries()).shape[1]
         return heads // self.keys.shape[1]
+
+    @property
+    def scale(self) -> float:
+        """The attention logit scale of this layer."""
+        if self.scaling is not None:
+            return self.scaling
+        module = attention_module(self.model, self.layer) if self.model is not None else None
+        return getattr(module, "scaling", self.keys.shape[-1] ** -0.5)
 
     def group_mean(self, per_head: torch.Tensor) -> torch.Tensor:
         """(batch, heads, ...) per query head -> (batch, kv_heads, ...) averaged over each KV head's group."""
@@ -67,16 +78,23 @@ class LayerContext:
         grouped = per_head.reshape(batch, heads // self.group_size, self.group_size, *per_head.shape[2:])
         return grouped.mean(dim=2)
 
+    def pre_rope_queries(self) -> torch.Tensor:
+        """(batch, heads, tokens, head_dim) float32 context queries before RoPE."""
+        if "queries" not in self._memo:
+            if self.queries is not None:
+                self._memo["queries"] = self.queries.float()
+            elif self.hidden is not None and self.model is not None:
+                self._memo["queries"] = pre_rope_queries(attention_module(self.model, self.layer), self.hidden).float()
+            else:
+                raise ValueError("this method needs the context's queries; prefill with capture_queries=True")
+        return self._memo["queries"]
+
     def rotated_queries(self) -> torch.Tensor:
         """(batch, heads, tokens, head_dim) float32 context queries after RoPE, as attention saw them."""
         if "rotated" not in self._memo:
-            if self.queries is None:
-                raise ValueError("this method needs the context's queries; prefill with capture_queries=True")
-            queries = self.queries.float()
-            if self.rotary is not None:
-                cos, sin = (table.float().to(queries.device) for table in self.rotary)
-                queries = rotate(queries, cos, sin)
-            self._memo["rotated"] = queries
+            queries = self.pre_rope_queries()
+            tables = rotary_tables(self.model, self.positions, queries) if self.model is not None else None
+            self._memo["rotated"] = rotate(queries, *tables) if tables is not None else queries
         return self._memo["rotated"]
 
     def attention(self, start: int, stop: int) -> torch.Tensor:
@@ -86,7 +104,7 @@ class LayerContext:
         queries = self.rotated_queries()[:, :, start:stop]
         batch, heads, count, dim = queries.shape
         kv_heads = self.keys.shape[1]
-        scale = self.scaling if self.scaling is not None else dim**-0.5
+        scale = self.scale
         grouped = queries.reshape(batch, kv_heads, heads // kv_heads, count, dim)
         logits = torch.einsum("bhgmd,bhnd->bhgmn", grouped, self.keys.float()) * scale
         query_positions = torch.arange(start, stop, device=logits.device)
@@ -111,5 +129,4 @@ class LayerContext:
 
     def average_rotation(self, start: int, count: int) -> torch.Tensor:
         """(head_dim, head_dim) RoPE rotation averaged over positions [start, start + count) (identity without RoPE)."""
-        model = self.model if self.rotary is not None else None
-        return average_rotation(model, start, count, self.keys.shape[-1], self.keys)
+        return average_rotation(self.model, start, count, self.keys.shape[-1], self.keys)

@@ -110,7 +110,7 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
     rows = [(FULL, 0.0, {**continuation_sums(reference, reference, continuation_ids, example.answer),
                          **full_budget})]
     scores = score_layers(model, context, methods, settings, seed)
-    context.queries.clear()
+    context.hidden.clear()
     for ratio in settings.ratios:
         entries = [(name, compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
                                            keep_ratio=1.0 - ratio, backend=settings.backend))

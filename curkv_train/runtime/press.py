@@ -13,7 +13,6 @@ from kvpress.presses.scorer_press import ScorerPress
 from torch import nn
 from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation
 from curkv_train.errors import CurKVError
 from curkv_train.runtime.scorer import Scorer
 
@@ -80,19 +79,9 @@ class CurKVPress(ScorerPress):
         tokens = keys.shape[2]
         positions = torch.arange(tokens, device=keys.device)
         scores = self.scorer.score_layer(self.model, module.layer_idx, keys, values, positions,
-                                         **scorer_observation(self.scorer, module.layer_idx, hidden_states, positions))
+                                         **self.scorer.prefill_inputs(module.layer_idx, hidden_states, positions))
         n_sink = self.scorer.n_sink if self.n_sink is None else self.n_sink
         window = self.scorer.window if self.window is None else self.window
         protected = (positions < n_sink) | (positions >= tokens - window)
         return scores + PROTECTED_SCORE * protected.to(scores.dtype)
 
-
-def scorer_observation(scorer: Scorer, layer: int, hidden_states: torch.Tensor, positions: torch.Tensor) -> dict:
-    """What ``scorer`` reads besides K/V, from a prefill's attention inputs (batch, tokens, hidden_size):
-    the observation window and/or each token's stored score, as :meth:`Scorer.score_layer` keywords."""
-    extra = {}
-    if scorer.observation_window:
-        extra["observation"] = Observation(hidden_states, positions)
-    if scorer.scores_on_arrival:
-        extra["token_scores"] = scorer.token_scores(layer, hidden_states)
-    return extra

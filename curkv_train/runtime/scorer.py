@@ -56,6 +56,16 @@ class Scorer:
         self.estimator.to(hidden.device)
         return self.estimator.token_scores(hidden[None], layers=torch.tensor([layer], device=hidden.device))[0]
 
+    def prefill_inputs(self, layer: int, hidden_states: torch.Tensor, positions: torch.Tensor) -> dict:
+        """What this scorer reads besides K/V, from a prefill's attention inputs (batch, tokens, hidden_size)
+        at ``positions`` (tokens,): :meth:`score_layer`'s ``observation`` and/or ``token_scores`` keywords."""
+        extra = {}
+        if self.observation_window:
+            extra["observation"] = Observation(hidden_states, positions)
+        if self.scores_on_arrival:
+            extra["token_scores"] = self.token_scores(layer, hidden_states)
+        return extra
+
     @torch.no_grad()
     def score_layer(self, model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
                     positions: torch.Tensor | None = None, end: int | None = None,

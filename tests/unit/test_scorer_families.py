@@ -121,8 +121,7 @@ def test_untrained_query_aware_ranks_like_expected_attention(model, ids):
         module = base.get_decoder().layers[layer].self_attn
         queries = module.q_proj(window.hidden).view(1, 32, 4, 16).transpose(1, 2)
         ctx = LayerContext(layer=layer, keys=capture.cached_keys(layer), values=capture.values[layer],
-                           positions=capture.positions, queries=queries, rotary=(torch.ones(1), torch.zeros(1)),
-                           scaling=module.scaling, model=base, n_sink=0)
+                           positions=capture.positions, queries=queries, model=base, n_sink=0)
         rule = ExpectedAttentionScore(n_future_positions=64, n_sink=0)(ctx)
         assert torch.equal(logits[layer].argsort(dim=-1), rule.argsort(dim=-1))
 

@@ -21,8 +21,13 @@ class CurKVScore:
     """
 
     scorer: Scorer
-    needs_queries = False
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether the prefill must record attention inputs (query-aware and hidden-state families)."""
+        return bool(self.scorer.estimator.needs)
 
     def __call__(self, ctx: LayerContext) -> torch.Tensor:
         """(batch, kv_heads, tokens) float32 keep logits."""
-        return self.scorer.score_layer(ctx.model, ctx.layer, ctx.keys, ctx.values, ctx.positions)
+        extra = self.scorer.prefill_inputs(ctx.layer, ctx.hidden, ctx.positions) if self.needs_queries else {}
+        return self.scorer.score_layer(ctx.model, ctx.layer, ctx.keys, ctx.values, ctx.positions, **extra)

@@ -42,7 +42,7 @@ class ExpectedAttentionScore:
 
     def query_statistics(self, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Mean (batch, heads, head_dim) and covariance (batch, heads, head_dim, head_dim), rotated forward."""
-        queries = ctx.queries[:, :, self.n_sink :].float()
+        queries = ctx.pre_rope_queries()[:, :, self.n_sink :]
         mean = queries.mean(dim=2)
         rotation = ctx.average_rotation(ctx.num_tokens, self.n_future_positions)
         covariance = None
@@ -59,7 +59,7 @@ class ExpectedAttentionScore:
         mean, covariance = self.query_statistics(ctx)
         keys = ctx.keys[:, :, self.n_sink :].float()
         batch, kv_heads, tokens, dim = keys.shape
-        scale = ctx.scaling if ctx.scaling is not None else dim**-0.5
+        scale = ctx.scale
         mean = mean.reshape(batch, kv_heads, -1, dim)
         logits = torch.einsum("bhgd,bhnd->bhgn", mean, keys) * scale
         if covariance is not None:
