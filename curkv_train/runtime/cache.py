@@ -18,10 +18,13 @@ current length, and the top ones are kept so that the compressible tokens held
 heads keep different tokens but always the same count, so K and V stay dense
 (batch, kv_heads, kept, head_dim) tensors.
 
-Attention over the cold tier: each step reconstructs K_cold ≈ C·U·R (+ residual) and
-V_cold likewise as a transient inside ``update``; the cache itself holds only the
-factors. (Computing logits as C_j·(U·(R·q)) without the transient would save that
-peak, at the price of a custom attention function; not done here.)
+Attention over the cold tier: with the model's attention switched to the factored
+wrapper (:mod:`curkv_train.runtime.attention`, installed by the constructor for sdpa or
+eager models), ``update`` returns only the dense tokens and the attention reads the cold
+blocks through their factors (logits ((q·Rᵀ)·Uᵀ)·Cᵀ + residual, one softmax with the
+dense tokens), so a step never holds a dense copy of a cold block. Otherwise (another
+attention implementation, or ``factored_attention=False``) each step reconstructs
+K_cold ≈ C·U·R (+ residual) and V_cold likewise as a transient inside ``update``.
 
 Positions: ``get_seq_length`` reports the tokens *seen*, so generate's
 ``cache_position`` and the RoPE positions of new tokens continue from them, while
@@ -157,6 +160,10 @@ class CurKVLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.token_scores: torch.Tensor | None = None
         self.cold: list[ColdBlock] = []
+        # Factored cold attention (runtime.attention): the pre-hook sets the flag for the coming
+        # update, which leaves the cold blocks it did not reconstruct in factored_cold.
+        self.factored_attention = False
+        self.factored_cold: tuple[ColdBlock, ...] = ()
         self.seen = self.compressible_seen = 0
         self.n_sink_held = self.n_warm = self.n_hot = 0
 
@@ -194,12 +201,16 @@ class CurKVLayer(CacheLayerMixin):
         Returns:
             (keys, values) (batch, kv_heads, held_before + new, head_dim): cold blocks
             reconstructed, then the dense tokens held before this step, then the new ones.
+            When the pre-hook flagged this step's attention as factored, the dense tokens
+            only, and the cold blocks are left in ``factored_cold`` for the attention.
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._append(key_states, value_states)
         keys, values = self.keys, self.values
-        if self.cold:
+        factored, self.factored_attention = self.factored_attention, False
+        self.factored_cold = tuple(self.cold) if factored else ()
+        if self.cold and not factored:
             keys = torch.cat([cur.reconstruct(block.keys) for block in self.cold] + [keys], dim=-2)
             values = torch.cat([cur.reconstruct(block.values) for block in self.cold] + [values], dim=-2)
         if self._compression_due(key_states.shape[-2]):
@@ -386,7 +397,10 @@ class CurKVCache(Cache):
         max_kept_tokens: cap on compressible tokens held per (layer, KV head); with it the
             cache holds at most n_sink + hot + window + max_kept_tokens tokens however long
             generation runs (without it, ρ of the tokens seen).
-        backend: compaction kernel backend (auto, torch, triton).
+        backend: compaction and factored-attention kernel backend (auto, torch, triton).
+        factored_attention: attend to cold blocks through their factors (the model's sdpa or
+            eager attention is wrapped, see :mod:`curkv_train.runtime.attention`); False
+            rebuilds them densely at each step.
     """
 
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
@@ -395,7 +409,8 @@ class CurKVCache(Cache):
                  cold: bool = True, cold_block: int | None = None, cold_rows: int | None = None,
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
                  compensation_ratio: float = 0.05, max_kept_tokens: int | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", factored_attention: bool = True) -> None:
+        from curkv_train.runtime.attention import install_runtime_attention
         from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 
         if isinstance(scorer, Scorer):
@@ -417,6 +432,7 @@ class CurKVCache(Cache):
                   for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
         install_observer(model)
+        self.factored_attention = install_runtime_attention(model) and factored_attention
 
     def _observer(self, layer: int) -> ObservationBuffer:
         """An empty observation buffer sized for the scorer's needs at ``layer``."""

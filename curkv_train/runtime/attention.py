@@ -1,0 +1,172 @@
+"""Factored cold attention at run time: attend to CurKVCache's cold blocks through their CUR factors.
+
+Constructing a :class:`~curkv_train.runtime.cache.CurKVCache` for a model calls
+:func:`install_runtime_attention`, which (idempotently)
+
+- puts :func:`record_cache_layer` as a forward pre-hook on every decoder attention
+  module: before each call it records, on the module, the cache layer the call will use
+  when ``past_key_values`` is a CurKVCache (``None`` otherwise), and tells that layer
+  whether this call's attention is factored;
+- switches the model's attention implementation (``sdpa`` or ``eager``) to a wrapper
+  registered under ``curkv_factored_<implementation>``, with the wrapped
+  implementation's mask function (so masks are unchanged).
+
+A step then runs as follows. ``CurKVLayer.update`` returns only the dense tokens
+(sinks, warm, hot, new) and leaves the cold blocks it did not reconstruct in
+``layer.factored_cold``; ``get_mask_sizes`` still counts the cold tokens first. The
+wrapper finds the layer recorded on its ``module``: with cold blocks pending it runs
+:func:`curkv_train.kernels.factored_attention` (one softmax over [cold | dense], no
+dense copy of a cold block); otherwise it calls the wrapped implementation unchanged,
+so a cache without cold blocks attends exactly as before. Any other attention
+implementation is left alone and the cache reconstructs its cold blocks as before.
+
+This module imports no training code (no Lightning, no ``curkv_train.attention``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from typing import Any, Callable
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from curkv_train.core.observation import attention_modules
+from curkv_train.errors import CurKVError
+from curkv_train.kernels import factored_attention
+from curkv_train.runtime.cache import CurKVCache, CurKVLayer
+
+log = logging.getLogger(__name__)
+
+FACTORED_PREFIX = "curkv_factored_"
+WRAPPABLE = ("sdpa", "eager")
+LAYER_ATTRIBUTE = "curkv_cache_layer"
+HOOK_ATTRIBUTE = "curkv_pre_hook"
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def is_factored(implementation: str | None) -> bool:
+    """Whether ``implementation`` (a config's ``_attn_implementation``) is one of the factored wrappers."""
+    return bool(implementation) and implementation.startswith(FACTORED_PREFIX)
+
+
+def cache_layer_of(module: torch.nn.Module) -> CurKVLayer | None:
+    """The CurKVCache layer the current call of attention ``module`` uses, or None."""
+    reference = getattr(module, LAYER_ATTRIBUTE, None)
+    return None if reference is None else reference()
+
+
+def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook (``with_kwargs=True``) of a decoder attention module.
+
+    When ``kwargs["past_key_values"]`` is a CurKVCache, records its layer for this
+    module (a weak reference: the module never keeps a cache alive) and tells the
+    layer whether this call's attention is factored (the cache allows it and the
+    model's implementation is a factored wrapper); otherwise clears the record.
+    """
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, CurKVCache):
+        setattr(module, LAYER_ATTRIBUTE, None)
+        return
+    layer = cache.layers[module.layer_idx]
+    implementation = getattr(module.config, "_attn_implementation", None)
+    layer.factored_attention = cache.factored_attention and is_factored(implementation)
+    setattr(module, LAYER_ATTRIBUTE, weakref.ref(layer))
+
+
+def _eager_function(module: torch.nn.Module) -> AttentionFn:
+    """The ``eager_attention_forward`` of the modeling file that defines ``module``'s class."""
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if function is None:
+        raise CurKVError(f"{type(module).__name__} has no eager_attention_forward in its modeling file; "
+                         "use attn_implementation='sdpa'")
+    return function
+
+
+def wrapped_function(module: torch.nn.Module, implementation: str) -> AttentionFn:
+    """The attention function ``implementation`` (sdpa or eager) as ``module``'s model would call it."""
+    return _eager_function(module) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def factored_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, attention_mask: torch.Tensor | None,
+                               layer: CurKVLayer, scaling: float | None = None, dropout: float = 0.0,
+                               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """One softmax over ``layer.factored_cold`` (through their factors) and the dense ``key``/``value``.
+
+    Args:
+        query: (batch, q_heads, M, head_dim) post-RoPE queries.
+        key, value: (batch, kv_heads, N, head_dim) the dense tokens update returned (the
+            last M of them the queries' own).
+        attention_mask: the model's mask, None or (batch, 1, M, cold + N) with the cold
+            columns first: only its width is checked; attention is causal over the dense
+            part and sees every cold token (batch 1 or unpadded batches, as the cache).
+        layer: the cache layer recorded for ``module``.
+
+    Returns:
+        ((batch, M, q_heads, head_dim) attention output, None).
+    """
+    if dropout:
+        raise CurKVError("factored cold attention is for inference; put the model in eval mode (dropout > 0)")
+    cold = layer.factored_cold
+    cold_tokens = sum(block.tokens for block in cold)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != cold_tokens + key.shape[-2]:
+        raise CurKVError(f"layer {layer.layer_idx}: the attention mask spans {attention_mask.shape[-1]} keys, "
+                         f"expected {cold_tokens} cold + {key.shape[-2]} dense; was the cache modified mid-step?")
+    out = factored_attention(query, [block.keys for block in cold], [block.values for block in cold], key, value,
+                             scale=scaling, causal=True, backend=layer.settings.backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def make_factored_attention(implementation: str) -> AttentionFn:
+    """The attention function registered as ``curkv_factored_<implementation>``."""
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        layer = cache_layer_of(module)
+        if layer is None or not layer.factored_cold:
+            return wrapped_function(module, implementation)(module, query, key, value, attention_mask,
+                                                            *args, **kwargs)
+        return factored_attention_forward(module, query, key, value, attention_mask, layer, *args, **kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"{FACTORED_PREFIX}{implementation}_attention"
+    return attention
+
+
+def register_factored_attention(implementation: str) -> str:
+    """Register the factored wrapper of ``implementation`` and its mask function (idempotent); returns its name."""
+    name = FACTORED_PREFIX + implementation
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, make_factored_attention(implementation))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    return name
+
+
+def install_runtime_attention(model: PreTrainedModel) -> bool:
+    """Hook every decoder attention module of ``model`` and switch it to factored cold attention (idempotent).
+
+    Returns:
+        Whether the model now runs factored cold attention (its implementation was sdpa
+        or eager, or already factored). With any other implementation the hooks are still
+        installed and the cache reconstructs its cold blocks.
+    """
+    for module in attention_modules(model):
+        if getattr(module, HOOK_ATTRIBUTE, None) is None:
+            setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(record_cache_layer, with_kwargs=True))
+    implementation = model.config._attn_implementation
+    if is_factored(implementation):
+        return True
+    if implementation not in WRAPPABLE:
+        log.info("attention implementation %r: CurKVCache reconstructs its cold blocks at each step "
+                 "(factored cold attention wraps %s)", implementation, " or ".join(WRAPPABLE))
+        return False
+    if implementation == "eager":
+        _eager_function(attention_modules(model)[0])
+    model.set_attn_implementation(register_factored_attention(implementation))
+    return True
