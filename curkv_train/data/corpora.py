@@ -15,6 +15,12 @@ from pathlib import Path
 from curkv_train.errors import CurKVError
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py"}
+# Standard-library files that carry another source's documents verbatim, so they are not code and would
+# leak one source's split into the other's: pydoc_data/topics.py is every ``pydoc`` topic as string
+# literals (most of them pydoc training documents), and pdb.py's command docstrings are a third of the
+# ``debugger`` topic word for word. (bdb.py shares one 27-word sentence with it and stays.)
+STDLIB_EXCLUDED = frozenset({"pydoc_data/topics.py", "pdb.py"})
+STDLIB_SKIPPED_FOLDERS = frozenset({"site-packages", "test", "tests", "idlelib"})
 TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -25,11 +31,15 @@ def split_of(document_id: str, val_fraction: float) -> str:
 
 
 def stdlib_code() -> Iterator[dict]:
-    """The Python standard library's own ``.py`` sources (real code, present everywhere)."""
+    """The Python standard library's own ``.py`` sources (real code, present everywhere).
+
+    Tests, IDLE, site-packages and :data:`STDLIB_EXCLUDED` (files embedding the ``pydoc`` documents)
+    are left out.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(root.rglob("*.py")):
-        parts = set(path.relative_to(root).parts)
-        if parts & {"site-packages", "test", "tests", "idlelib"}:
+        relative = path.relative_to(root)
+        if set(relative.parts) & STDLIB_SKIPPED_FOLDERS or relative.as_posix() in STDLIB_EXCLUDED:
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():
