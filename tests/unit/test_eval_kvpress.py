@@ -9,7 +9,13 @@ kvpress = pytest.importorskip("kvpress")
 
 from curkv_train.eval import kvpress_bridge  # noqa: E402
 from curkv_train.eval.harness import EvalSettings, evaluate  # noqa: E402
-from curkv_train.eval.methods import CurDKVScore, ExpectedAttentionScore, KNormScore, build_methods  # noqa: E402
+from curkv_train.eval.methods import (  # noqa: E402
+    CurDKVScore,
+    ExpectedAttentionScore,
+    KNormScore,
+    SnapKVScore,
+    build_methods,
+)
 from curkv_train.eval.prefill import prefill  # noqa: E402
 from curkv_train.eval.tasks import TaskExample  # noqa: E402
 from curkv_train.models.base import TINY_RANDOM, load_base_model  # noqa: E402
@@ -85,3 +91,25 @@ def test_scores_match_kvpress_definitions():
         assert torch.allclose(CurDKVScore()(ctx)[..., N_SINK:], theirs[..., N_SINK:], rtol=1e-4, atol=1e-7)
         theirs = kvpress.KnormPress().score(module, hidden, keys, values, None, kwargs)
         assert torch.allclose(KNormScore()(ctx), theirs)
+
+
+def test_snapkv_keeps_the_tokens_kvpress_snapkv_keeps():
+    """Same scores as kvpress's SnapKVPress, so the same top-k at every budget (window = observation window)."""
+    model = load_base_model(TINY_RANDOM)
+    ids = torch.randint(0, 500, (1, CONTEXT), generator=torch.Generator().manual_seed(6))
+    for layer in range(model.config.num_hidden_layers):
+        module, hidden, kwargs, context = layer_inputs(model, ids, layer)
+        ctx = context.layer_context(layer, model=model, n_sink=N_SINK, window=WINDOW, seed=0)
+        theirs = kvpress.SnapKVPress(window_size=WINDOW).score(module, hidden, ctx.keys, ctx.values, None, kwargs)
+        ours = SnapKVScore(window_size=WINDOW)(ctx)
+        assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-6)
+        for kept in (8, 24, 48):
+            assert top_k_overlap(ours, theirs, kept) == 1.0
+
+
+def top_k_overlap(ours: torch.Tensor, theirs: torch.Tensor, kept: int) -> float:
+    """Share of the (batch, KV head, position) top-``kept`` of ``theirs`` that ``ours`` also keeps."""
+    def chosen(scores):
+        indices = scores.topk(kept, dim=-1).indices
+        return {(b, h, int(i)) for b in range(indices.shape[0]) for h in range(indices.shape[1]) for i in indices[b, h]}
+    return len(chosen(ours) & chosen(theirs)) / len(chosen(theirs))

@@ -84,18 +84,24 @@ def test_tova_uses_the_last_row():
     assert kept(TOVAScore(), ctx, 0.5) == [0, 3, 4, 5]
 
 
-def test_snapkv_max_pools_the_observation_window():
+def test_snapkv_average_pools_the_keys_before_the_observation_window():
     ctx = hand_made_attention()
-    scores = SnapKVScore(window_size=2, kernel_size=3)(ctx)
-    # head 0's last two rows average to (0.1, 0.35, 0.1, 0.3, 0.1, 0.05); max over 3 neighbours:
-    assert torch.allclose(SnapKVScore(window_size=2, kernel_size=3)(
-        LayerContext(layer=0, keys=ctx.keys, values=ctx.values, positions=ctx.positions, probs=ctx.probs[:, :1])
-    )[0, 0], torch.tensor([0.35, 0.35, 0.35, 0.3, 0.3, 0.1]))
-    per_head = [torch.tensor(head[4:]).mean(0) for head in (HEAD_0, HEAD_1)]
-    pooled = [torch.stack([h[max(0, i - 1) : i + 2].max() for i in range(6)]) for h in per_head]
-    assert torch.allclose(scores[0, 0], (pooled[0] + pooled[1]) / 2)  # pooled per head, then averaged
+    head_0 = LayerContext(layer=0, keys=ctx.keys, values=ctx.values, positions=ctx.positions, probs=ctx.probs[:, :1])
+    # head 0's last two rows average to (0.1, 0.35, 0.1, 0.3 | 0.1, 0.05); the window (4, 5) is cut off,
+    # then a zero-padded mean over 3 neighbours: (0 + .1 + .35) / 3, (.1 + .35 + .1) / 3, ...
+    pooled_0 = torch.tensor([0.45, 0.55, 0.75, 0.4]) / 3
+    assert torch.allclose(SnapKVScore(window_size=2, kernel_size=3)(head_0)[0, 0],
+                          torch.cat([pooled_0, torch.full((2,), 0.75 / 3 + 1)]))
+    per_head = [torch.tensor(head[4:]).mean(0)[:4] for head in (HEAD_0, HEAD_1)]
+    padded = [torch.cat([torch.zeros(1), h, torch.zeros(1)]) for h in per_head]
+    pooled = [torch.stack([p[i : i + 3].mean() for i in range(4)]) for p in padded]
+    scores = SnapKVScore(window_size=2, kernel_size=3)(ctx)[0, 0]
+    assert torch.allclose(scores[:4], (pooled[0] + pooled[1]) / 2)  # pooled per head, then averaged
+    assert (scores[4:] > scores[:4].max()).all()  # the observation window is never evicted
     with pytest.raises(ValueError):
         SnapKVScore(kernel_size=4)
+    with pytest.raises(ValueError):
+        SnapKVScore(window_size=6)(ctx)
 
 
 def test_random_is_seeded_per_context():
