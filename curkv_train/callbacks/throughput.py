@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch.callbacks import ThroughputMonitor
+
+# TokenThroughput reports tokens and samples per second, not FLOPs (the module defines no
+# ``flops_per_batch``), so ThroughputMonitor's reminder to define one is not for our users.
+warnings.filterwarnings("ignore", message=r"When using the `ThroughputMonitor`, you need to define a `flops_per_batch`")
 
 
 def _batch_size(batch: dict) -> int:
@@ -16,7 +22,7 @@ def _batch_tokens(batch: dict) -> int:
 class TokenThroughput(ThroughputMonitor):
     """ThroughputMonitor counting the tokens of ``context | continuation`` batches.
 
-    Logs ``train/samples_per_sec`` and ``train/items_per_sec`` (tokens per second).
+    Logs ``train/samples_per_sec`` and ``train/items_per_sec`` (tokens per second); no FLOPs.
 
     Args:
         window_size: batches averaged per reading.

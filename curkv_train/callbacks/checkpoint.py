@@ -1,0 +1,28 @@
+"""Lightning's ModelCheckpoint, with ``last.ckpt`` holding the run's last step."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+class LastStepCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that also saves when fit ends, so ``last.ckpt`` holds the last step.
+
+    Lightning saves every ``every_n_train_steps`` steps only; a run whose ``max_steps`` is not
+    a multiple of it would end with ``last.ckpt`` (and the top-k file) at an earlier step.
+    At the end of fit this saves what a periodic save would save at the last step, unless
+    that step is saved already. A run stopped by an exception (e.g. a non-finite loss)
+    keeps its last good checkpoint: ``on_train_end`` does not run then.
+
+    Takes ModelCheckpoint's arguments; ``curkv-train fit`` sets ``save_last=True``,
+    ``every_n_train_steps=50`` and ``filename="{step}"`` by default (``--checkpoint.*`` flags,
+    ``checkpoint:`` in a recipe).
+    """
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        super().on_train_end(trainer, pl_module)
