@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import yaml
 from torch import nn
-from jsonargparse import CLI
 from transformers import AutoConfig, PretrainedConfig
 
 from curkv_train.core.shapes import kv_shape
@@ -196,9 +195,3 @@ def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool
                           overwrite=overwrite)
     print(f"exported {ckpt} -> {written}")
     return written
-
-
-def main(args: list[str]) -> int:
-    """``curkv-train export`` entry point: flags from :func:`export`'s signature."""
-    CLI(export, args=args, as_positional=False, prog="curkv-train export")
-    return 0

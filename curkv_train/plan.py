@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
-from jsonargparse import ArgumentParser
 
 from curkv_train.errors import CurKVError
 
@@ -70,27 +67,24 @@ class Plan:
 
 
 def parse_recipe(recipe: str, overrides: list[str] | None = None):
-    """The recipe's resolved config (base layer, recipe, ``overrides``) through the real CLI parser.
+    """The recipe's resolved config (``--recipe``, then ``overrides``) through the real CLI parser.
 
     Nothing is instantiated: no model, no data, no trainer (so no GPU is needed).
     """
     from curkv_train.cli import CurKVCLI
     from curkv_train.data.datamodule import CurKVDataModule
-    from curkv_train.recipes import recipe_config_args
     from curkv_train.system import CurKVModule
 
     class ParseOnlyCLI(CurKVCLI):
         def instantiate_classes(self) -> None:
             """Parsing is all a plan needs."""
 
-    args = recipe_config_args(recipe) + list(overrides or [])
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
     level = seed_log.level
     seed_log.setLevel(logging.WARNING)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-            return ParseOnlyCLI(CurKVModule, CurKVDataModule, args=args, run=False).config
+        return ParseOnlyCLI(CurKVModule, CurKVDataModule, args=["--recipe", recipe, *(overrides or [])],
+                            run=False).config
     finally:
         seed_log.setLevel(level)
 
@@ -225,9 +219,14 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def plan_json(plan: Plan) -> str:
+    """``plan`` as a JSON object."""
+    return json.dumps(asdict(plan), indent=2)
+
+
 def plan_command(recipe: str, devices: int | None = None, num_nodes: int | None = None,
                  batch_size: int | None = None, json: bool = False) -> Plan:
-    """Size one training step of a recipe per GPU, without a GPU.
+    """Size one training step of a recipe per GPU, without a GPU; print it as a table or JSON.
 
     Args:
         recipe: recipe name (see ``curkv-train recipes``) or a YAML path.
@@ -240,20 +239,6 @@ def plan_command(recipe: str, devices: int | None = None, num_nodes: int | None 
                  if value is not None]
     if batch_size is not None:
         overrides.append(f"--data.batch_size={batch_size}")
-    return compute_plan(recipe, overrides)
-
-
-def main(args: list[str]) -> int:
-    """``curkv-train plan``: parse ``args`` from :func:`plan_command`'s signature, print the plan."""
-    parser = ArgumentParser(prog="curkv-train plan", description=plan_command.__doc__.splitlines()[0])
-    parser.add_function_arguments(plan_command)
-    # ``--json`` alone reads as ``--json=true`` (jsonargparse booleans otherwise take a value).
-    args = ["--json=true" if arg == "--json" else arg for arg in args]
-    options = parser.parse_args(args)
-    plan = plan_command(**vars(options))
-    print(json.dumps(asdict(plan), indent=2) if options.json else format_plan(plan))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    plan = compute_plan(recipe, overrides)
+    print(plan_json(plan) if json else format_plan(plan))
+    return plan

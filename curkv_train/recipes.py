@@ -1,17 +1,19 @@
 """Recipes: YAML configs for LightningCLI, named by file stem, shipped inside the package.
 
-Every recipe is layered on ``_base.yaml`` (the one shared base layer): the CLI
-passes ``--config _base.yaml --config NAME.yaml`` before the user's own flags,
-so later flags win.
+Every recipe is layered on ``_base.yaml`` (the one shared base layer): ``--recipe NAME``
+(:class:`ActionRecipe`) applies ``_base.yaml`` then ``NAME.yaml`` as config files where it
+stands on the command line, so later flags win.
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from importlib import resources
 from pathlib import Path
 
 import yaml
+from jsonargparse import ActionConfigFile
 
 from curkv_train.errors import CurKVError
 
@@ -54,24 +56,31 @@ def load_recipe(path: Path) -> dict:
     return content
 
 
-def recipe_config_args(name: str) -> list[str]:
-    """``--config`` arguments for recipe ``name`` on top of the base layer."""
+def recipe_layers(name: str) -> list[Path]:
+    """The config files of recipe ``name``, in the order they apply: the base layer, then the recipe."""
     path = recipe_path(name)
     load_recipe(path)
-    base = recipe_dir() / f"{BASE_LAYER}.yaml"
-    return ["--config", str(base), "--config", str(path)]
+    return [recipe_dir() / f"{BASE_LAYER}.yaml", path]
 
 
-def expand_recipe_flag(args: list[str]) -> list[str]:
-    """Replace ``--recipe NAME`` / ``--recipe=NAME`` after the subcommand by its config files.
+class ActionRecipe(argparse.Action):
+    """``--recipe NAME``: apply ``_base.yaml`` then the recipe as config files, where the flag stands.
 
-    The recipe's configs go right after the subcommand, so every other flag wins over it.
+    Like ``--config``, what comes later on the command line wins over the recipe; nothing is
+    stored under ``recipe`` itself (the resolved values are).
     """
-    for index, arg in enumerate(args):
-        if arg == "--recipe" or arg.startswith("--recipe="):
-            name = arg.split("=", 1)[1] if "=" in arg else (args[index + 1] if index + 1 < len(args) else "")
-            if not name:
-                raise CurKVError("--recipe needs a name; run `curkv-train recipes` to list them")
-            rest = args[:index] + args[index + (1 if "=" in arg else 2):]
-            return rest[:1] + recipe_config_args(name) + rest[1:]
-    return args
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        kwargs.setdefault("help", "recipe name (see `curkv-train recipes`) or path to a YAML file, applied on top "
+                                  "of recipes/_base.yaml; later flags win")
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, metavar="NAME", **kwargs)
+
+    def __call__(self, parser, namespace, value: str, option_string: str | None = None) -> None:
+        for path in recipe_layers(value):
+            ActionConfigFile.apply_config(parser, namespace, "config", str(path))
+
+
+def print_recipes() -> None:
+    """List the recipes (file stems in recipes/) with the file each one comes from."""
+    for name in list_recipes():
+        print(f"{name:16s} {recipe_path(name)}")

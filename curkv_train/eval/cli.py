@@ -1,22 +1,18 @@
 """``curkv-train eval``: compare a trained scorer with the known methods on held-out tasks.
 
-The options are the typed signature of :func:`run_eval` (jsonargparse), so ``--help``
-always matches it. Lists are comma-separated (``--ratios 0.3,0.5,0.7``); options may be
-spelled with dashes or underscores (``--context-length`` = ``--context_length``) and a
-boolean option alone means true (``--kvpress``).
+The options are the typed signature of :func:`run_eval` (jsonargparse, in the root parser of
+:mod:`curkv_train.cli`), so ``--help`` always matches it. Lists are comma-separated
+(``--ratios 0.3,0.5,0.7``); booleans take a value (``--kvpress true``).
 """
 
 from __future__ import annotations
 
-import argparse
-import inspect
 import platform
 import sys
 from pathlib import Path
 from typing import Literal
 
 import torch
-from jsonargparse import ArgumentParser
 from jsonargparse.typing import register_type
 
 from curkv_train.errors import CurKVError
@@ -180,39 +176,8 @@ def _scorer_fallback(scorer: Scorer | None) -> str | None:
     return hyper_parameters.get("base_fallback")
 
 
-def build_parser() -> ArgumentParser:
-    """The ``curkv-train eval`` parser, generated from :func:`run_eval`'s signature and docstring."""
-    parser = ArgumentParser(prog="curkv-train eval", description=run_eval.__doc__.splitlines()[0],
-                            exit_on_error=False)
-    parser.add_function_arguments(run_eval, as_group=False)
-    return parser
-
-
-def normalize_options(args: list[str]) -> list[str]:
-    """The parser's spelling of ``args``: ``--context-length`` -> ``--context_length``, a bare
-    boolean flag (``--kvpress``) -> ``--kvpress=true``; values are left alone."""
-    flags = {name for name, parameter in inspect.signature(run_eval).parameters.items()
-             if parameter.annotation in (bool, "bool")}
-    spelled = []
-    for position, arg in enumerate(args):
-        if arg.startswith("--") and len(arg) > 2:
-            key, sep, value = arg[2:].partition("=")
-            key = key.replace("-", "_")
-            following = args[position + 1] if position + 1 < len(args) else "--"
-            if key in flags and not sep and following.startswith("--"):
-                sep, value = "=", "true"
-            arg = "--" + key + sep + value
-        spelled.append(arg)
-    return spelled
-
-
-def main(args: list[str]) -> int:
-    """Parse ``args``, run the evaluation, print where the results are; user errors raise CurKVError."""
-    parser = build_parser()
-    try:
-        namespace = parser.parse_args(normalize_options(args))
-    except argparse.ArgumentError as error:
-        raise CurKVError(" ".join(str(error).split())) from error
-    run_dir = run_eval(**namespace.as_dict())
+def main(**options) -> Path:
+    """``curkv-train eval``: run :func:`run_eval` with the parsed ``options``, print where the results are."""
+    run_dir = run_eval(**options)
     print(f"results: {run_dir / 'results.md'}")
-    return 0
+    return run_dir

@@ -40,7 +40,6 @@ def assert_same_estimator(expected: dict, actual: dict, atol: float) -> None:
         assert difference <= atol, f"{key} differs by {difference:.3g} > {atol}"
 
 
-def checkpoint_callback(dirpath: Path, every: int) -> dict:
-    """A ModelCheckpoint config writing last.ckpt into ``dirpath`` every ``every`` steps."""
-    return {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {"dirpath": str(dirpath), "save_last": True, "every_n_train_steps": every}}
+def checkpoint_config(dirpath: Path, every: int) -> dict:
+    """The CLI's ``checkpoint:`` section writing last.ckpt into ``dirpath`` every ``every`` steps."""
+    return {"dirpath": str(dirpath), "save_last": True, "every_n_train_steps": every}

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 import torch
-from fit_helpers import assert_same_estimator, checkpoint_callback, estimator_state, run_fit
+from fit_helpers import assert_same_estimator, checkpoint_config, estimator_state, run_fit
 
 pytestmark = pytest.mark.integration
 
@@ -19,13 +19,12 @@ STAGES = [
 
 
 def config(ckpt_dir, kill_after: int | None = None) -> dict:
-    callbacks = [{"class_path": "curkv_train.callbacks.guards.NonFiniteLossGuard"},
-                 {"class_path": "curkv_train.callbacks.curriculum.Curriculum", "init_args": {"stages": STAGES}},
-                 checkpoint_callback(ckpt_dir, CHECKPOINT_EVERY)]
+    callbacks = [{"class_path": "curkv_train.callbacks.curriculum.Curriculum", "init_args": {"stages": STAGES}}]
     if kill_after is not None:
         callbacks.insert(0, {"class_path": "killer.KillAtStep", "init_args": {"step": kill_after}})
     return {"trainer": {"max_steps": MAX_STEPS, "limit_val_batches": 0, "logger": False,
                         "enable_progress_bar": False, "enable_model_summary": False, "callbacks": callbacks},
+            "checkpoint": checkpoint_config(ckpt_dir, CHECKPOINT_EVERY),
             "model": {"backend": "torch", "window": 8},
             "data": {"context_length": 96, "continuation_length": 8, "batch_size": 2, "train_size": 64}}
 

@@ -2,7 +2,7 @@
 1 process × batch 2 (the loss is a mean over equal-length continuations, so the averaged gradients match)."""
 
 import pytest
-from fit_helpers import assert_same_estimator, checkpoint_callback, estimator_state, run_fit
+from fit_helpers import assert_same_estimator, checkpoint_config, estimator_state, run_fit
 
 pytestmark = pytest.mark.integration
 
@@ -11,9 +11,8 @@ STEPS = 3
 
 def config(ckpt_dir, per_process_batch: int) -> dict:
     return {"trainer": {"max_steps": STEPS, "limit_val_batches": 0, "logger": False, "accelerator": "cpu",
-                        "enable_progress_bar": False, "enable_model_summary": False,
-                        "callbacks": [{"class_path": "curkv_train.callbacks.guards.NonFiniteLossGuard"},
-                                      checkpoint_callback(ckpt_dir, STEPS)]},
+                        "enable_progress_bar": False, "enable_model_summary": False},
+            "checkpoint": checkpoint_config(ckpt_dir, STEPS),
             # The budget penalty is a function of the batch-mean keep score, not a mean of per-example
             # terms, so it is switched off here: with it, the per-rank penalties average to something else.
             "model": {"backend": "torch", "window": 16, "budget_weight": 0.0},

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from curkv_train import cli
+from curkv_train.cli import function_parser
 from curkv_train.eval import cli as eval_cli
 from curkv_train.eval.methods import METHODS
 from curkv_train.eval.tasks import TASKS
@@ -15,8 +16,8 @@ from curkv_train.models.base import TINY_RANDOM
 from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime.scorer import Scorer
 
-SMALL = ["--context-length", "128", "--continuation-length", "48", "--examples", "2", "--passkey-lengths", "128",
-         "--passkey-depths", "0.2,0.8", "--backend", "torch"]
+SMALL = ["--context_length", "128", "--continuation_length", "48", "--examples", "2", "--passkey_lengths", "128",
+         "--passkey_depths", "0.2,0.8", "--backend", "torch"]
 
 
 def export_scorer(folder, num_layers: int = 2):
@@ -74,7 +75,7 @@ def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
         (["--tasks", "ppl_text,bogus"], "valid tasks: " + ", ".join(TASKS)),
         (["--methods", "full,bogus"], "valid methods: " + ", ".join(METHODS)),
         (["--methods", "curkv"], "needs a trained scorer"),
-        (["--context-length", "60"], "must exceed n_sink + window (4 + 64)"),
+        (["--context_length", "60"], "must exceed n_sink + window (4 + 64)"),
         (["--ratios", "0.5,1.0"], "must lie in [0, 1)"),
         (["--examples", "many"], "examples"),
     ],
@@ -133,9 +134,8 @@ def test_scorer_of_an_unreachable_hub_model_uses_its_training_fallback(tmp_path,
     assert code == 0, err
 
 
-def test_options_take_dashes_and_bare_flags():
-    args = eval_cli.normalize_options(["--scorer", "none", "--context-length", "64", "--kvpress", "--ratios=0.5"])
-    namespace = eval_cli.build_parser().parse_args(args)
+def test_options_come_from_run_eval_signature():
+    parser = function_parser(eval_cli.run_eval)
+    namespace = parser.parse_args(["--scorer", "none", "--context_length", "64", "--kvpress", "true", "--ratios=0.5"])
     assert namespace.context_length == 64 and namespace.kvpress is True and namespace.ratios == [0.5]
-    assert eval_cli.build_parser().parse_args(eval_cli.normalize_options(["--scorer", "x", "--kvpress", "false"])
-                                              ).kvpress is False
+    assert parser.parse_args(["--scorer", "x"]).kvpress is False

@@ -62,7 +62,7 @@ def test_llama2_7b_replicates_under_ddp():
 
 
 def test_cli_prints_a_table_and_json(capsys):
-    assert main(["plan", "--recipe", "llama2-70b", "--json", "--batch_size", "2"]) == 0
+    assert main(["plan", "--recipe", "llama2-70b", "--json", "true", "--batch_size", "2"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["kv_capture_bytes"] == 2 * 320 * 1024 * 3584 and record["tokens_per_step"] == 2 * 8 * 4096
     assert main(["plan", "--recipe", "llama2-70b"]) == 0
