@@ -174,8 +174,8 @@ def factored_logits(queries: torch.Tensor, keys: Factors) -> torch.Tensor:
     logits = channels @ keys.columns.to(dtype).transpose(-1, -2)
     if keys.residual_values is not None:
         token, channel = _residual_coordinates(keys.residual_index, queries.shape[-1], queries.shape[-2])
-        terms = queries.gather(-1, channel) * keys.residual_values.to(dtype)[..., None, :]
-        logits = logits.scatter_add(-1, token, terms)
+        terms = queries.gather(-1, channel) * keys.residual_values.to(dtype).unsqueeze(-2)
+        logits.scatter_add_(-1, token, terms)
     return logits
 
 
@@ -194,16 +194,18 @@ def factored_values(probs: torch.Tensor, values: Factors) -> torch.Tensor:
     out = probs @ values.columns.to(dtype) @ values.core.to(dtype) @ values.rows.to(dtype)
     if values.residual_values is not None:
         token, channel = _residual_coordinates(values.residual_index, out.shape[-1], probs.shape[-2])
-        terms = probs.gather(-1, token) * values.residual_values.to(dtype)[..., None, :]
-        out = out.scatter_add(-1, channel, terms)
+        terms = probs.gather(-1, token) * values.residual_values.to(dtype).unsqueeze(-2)
+        out.scatter_add_(-1, channel, terms)
     return out
 
 
 def _residual_coordinates(index: torch.Tensor, channels: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, channel) of flat residual indices (batch, kv_heads, m), expanded to (batch, kv_heads, rows, m)."""
     index = index.long()
+    token = torch.div(index, channels, rounding_mode="floor")
+    channel = index - token * channels
     shape = (*index.shape[:-1], rows, index.shape[-1])
-    return (index // channels)[..., None, :].expand(shape), (index % channels)[..., None, :].expand(shape)
+    return token.unsqueeze(-2).expand(shape), channel.unsqueeze(-2).expand(shape)
 
 
 def factored_attention_reference(
@@ -249,11 +251,10 @@ def factored_attention_reference(
     if causal:
         visible = causal_key_mask(num_queries, num_keys, q.device).repeat(q_heads // kv_heads, 1)
         dense = dense.masked_fill(~visible, float("-inf"))
-    logits = torch.cat([factored_logits(queries, block) for block in cold_keys] + [dense], dim=-1) * scale
-    row_max = logits.amax(dim=-1, keepdim=True)
-    weights = torch.exp(logits - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
-    denom = weights.sum(dim=-1, keepdim=True)
-    probs = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    logits = torch.cat([factored_logits(queries, block) for block in cold_keys] + [dense], dim=-1)
+    probs = torch.softmax(logits * scale, dim=-1)
+    if causal and num_queries > num_keys and not cold_keys:
+        probs = probs.nan_to_num(0.0)  # the first M - N queries see no key at all: they output 0
     cold_probs = probs.split([block.columns.shape[-2] for block in cold_keys] + [num_keys], dim=-1)
     out = cold_probs[-1] @ v.to(compute)
     for block_probs, block in zip(cold_probs[:-1], cold_values):
