@@ -29,6 +29,9 @@ class TrainingSettings:
         hard_topk: exact top-⌈ρ·n⌉ forward with straight-through gradients.
         budget_weight: λ of the budget penalty.
         warm_start: only the dense ranking term (no continuation, no backward through the LLM).
+        streaming_rounds: compress the context the way CurKVCache compresses a growing one, in
+            this many rounds at ends ``window`` tokens apart (0: one selection after the prefill).
+        hot_windows: with streaming rounds, the recent windows each round protects (the cache's hot tier).
     """
 
     keep_ratio: float = 0.5
@@ -36,6 +39,8 @@ class TrainingSettings:
     hard_topk: bool = False
     budget_weight: float = 0.4
     warm_start: bool = False
+    streaming_rounds: int = 0
+    hot_windows: int = 3
 
 
 def _chunk_kl(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -109,6 +114,54 @@ def keep_bias(
     else:
         weight = scores
     bias[..., compressible] = torch.log(weight.clamp_min(torch.finfo(torch.float32).tiny))
+    return bias, scores
+
+
+def streaming_ends(context_length: int, rounds: int, stride: int) -> list[int]:
+    """The ends of ``rounds`` compression rounds ``stride`` tokens apart, the last at the context's end."""
+    return [context_length - (rounds - 1 - index) * stride for index in range(rounds)]
+
+
+def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_sink: int, hot: int,
+                        temperature: float, keep_ratio: float, hard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention biases of a context compressed in rounds, as CurKVCache compresses it while it grows.
+
+    At round r (sequence end e_r) the tokens in [n_sink, e_r − hot) that survived the earlier
+    rounds compete, scored by that round's logits, and ⌈ρ·(e_r − hot − n_sink)⌉ of them stay;
+    evicted tokens never come back. A token's log keep weight is the sum over the rounds it
+    competed in (hard: straight-through top-k per round; soft: σ(z/T) per round, i.e. the
+    product of its keep probabilities).
+
+    Args:
+        round_logits: per round, (layers, batch, kv_heads, e_r) logits scored at end e_r.
+        ends: the rounds' ends, increasing; the last is the context length.
+        hot: tokens before each end that are protected (the cache's hot tier).
+
+    Returns:
+        (bias (layers, batch, kv_heads, context), scores (layers, batch, kv_heads, n) = σ(z/T) of
+        the last round on its n competing positions, for the budget term).
+    """
+    context = ends[-1]
+    bias = torch.zeros(*round_logits[-1].shape[:-1], context, device=round_logits[-1].device)
+    alive = torch.ones_like(bias, dtype=torch.bool)
+    scores = bias[..., :0]
+    for logits, end in zip(round_logits, ends):
+        stop = end - hot
+        if stop <= n_sink:
+            continue
+        z = logits[..., n_sink:stop].float()
+        competing = alive[..., n_sink:stop].clone()
+        scores = torch.sigmoid(z / temperature)
+        weight = scores
+        if hard and keep_ratio < 1.0:
+            count = kept_count(stop - n_sink, keep_ratio)
+            kept = torch.zeros_like(z).scatter_(-1, z.masked_fill(~competing, float("-inf")).topk(count).indices, 1.0)
+            weight = kept * (1 - EVICTED_WEIGHT) + EVICTED_WEIGHT + scores - scores.detach()
+            alive[..., n_sink:stop] = competing & kept.bool()
+        elif keep_ratio >= 1.0:
+            continue
+        log_weight = torch.log(weight.clamp_min(torch.finfo(torch.float32).tiny))
+        bias = bias + torch.nn.functional.pad(torch.where(competing, log_weight, 0.0), (n_sink, context - stop))
     return bias, scores
 
 

@@ -20,7 +20,8 @@ from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.models.capture import (ContextCapture, continue_from, estimator_inputs, prefill_context,
                                         reconstruction_target)
 from curkv_train.models.estimators import build_estimator, check_family
-from curkv_train.objective import BudgetController, TrainingSettings, chunked_kl, dense_loss, keep_bias
+from curkv_train.objective import (BudgetController, TrainingSettings, chunked_kl, dense_loss, keep_bias,
+                                   streaming_ends, streaming_keep_bias)
 from curkv_train.reconstruction import RECONSTRUCTION_PROMPT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,19 +137,22 @@ class CurKVModule(L.LightningModule):
             for name, tensor in scorer.estimator.state_dict().items():
                 self.estimator.state_dict()[name].copy_(tensor)
 
-    def capture_context(self, input_ids: torch.Tensor, context_length: int) -> ContextCapture:
+    def capture_context(self, input_ids: torch.Tensor, context_length: int, every_end: bool = False) -> ContextCapture:
         """Prefill the context without grad, recording the attention inputs the estimator family reads.
 
         Args:
             input_ids: (batch, context + continuation) token ids.
             context_length: tokens of the compressed context.
+            every_end: record what scoring at any earlier end needs too (streaming rounds).
         """
         positions = self.base.config.max_position_embeddings
         if input_ids.shape[1] > positions:
             raise CurKVError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's {positions} positions")
         needs = self.estimator.needs
-        record = 0 if "token_scores" in needs else (
-            self.estimator.observation_window if "query_features" in needs else None)
+        if "query_features" in needs:
+            record = 0 if every_end else self.estimator.observation_window
+        else:
+            record = 0 if "token_scores" in needs else None
         return prefill_context(self.base, input_ids[:, :context_length], record_last=record)
 
     @torch.no_grad()
@@ -180,8 +184,11 @@ class CurKVModule(L.LightningModule):
         hp = self.hparams
         logits = self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view))
         compressible = self.compressible(capture)
-        bias, scores = keep_bias(logits, compressible, temperature=settings.temperature,
-                                 keep_ratio=settings.keep_ratio, hard=settings.hard_topk)
+        if settings.streaming_rounds:
+            bias, scores = self.streaming_bias(capture, logits, settings)
+        else:
+            bias, scores = keep_bias(logits, compressible, temperature=settings.temperature,
+                                     keep_ratio=settings.keep_ratio, hard=settings.hard_topk)
         student = self.student_hidden(capture, continuation, bias)
         kl = chunked_kl(teacher, student, self.base.get_output_embeddings(), hp.kl_chunk_size)
         mean_keep = scores.mean(dim=(1, 3))
@@ -192,6 +199,18 @@ class CurKVModule(L.LightningModule):
         loss = kl + budget + hp.hidden_mse_weight * mse + hp.dense_weight * dense
         return {"loss": loss, "kl": kl, "budget": budget, "hidden_mse": mse, "dense": dense, "mean_keep": mean_keep,
                 "scores": scores.detach()}
+
+    def streaming_bias(self, capture: ContextCapture, logits: torch.Tensor,
+                       settings: TrainingSettings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Biases of the context compressed in ``settings.streaming_rounds`` rounds ``window`` tokens apart,
+        each scored at its own end (:func:`~curkv_train.objective.streaming_keep_bias`); ``logits`` are the last's."""
+        hp = self.hparams
+        ends = streaming_ends(capture.context_length, settings.streaming_rounds, hp.window)
+        round_logits = [self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view, end=end))
+                        for end in ends[:-1]] + [logits]
+        return streaming_keep_bias(round_logits, ends, n_sink=hp.n_sink, hot=settings.hot_windows * hp.window,
+                                   temperature=settings.temperature, keep_ratio=settings.keep_ratio,
+                                   hard=settings.hard_topk)
 
     def warm_start_loss(self, capture: ContextCapture, target: torch.Tensor) -> torch.Tensor:
         """The dense ranking term alone (warm start: no continuation, no backward through the LLM)."""
@@ -206,7 +225,7 @@ class CurKVModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids, length, settings = batch["input_ids"], batch["context_length"], self.settings
         size = ids.shape[0]
-        capture = self.capture_context(ids, length)
+        capture = self.capture_context(ids, length, every_end=bool(settings.streaming_rounds))
         target = self.dense_target(capture) if settings.warm_start or self.hparams.dense_weight else None
         self._last_mean_keep = None
         if settings.warm_start:

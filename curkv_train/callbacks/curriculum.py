@@ -32,6 +32,9 @@ class Stage:
         hard_topk: exact top-⌈ρ·n⌉ forward with straight-through gradients.
         warm_start: the dense ranking term alone against the reconstruction target (no
             continuation, no backward through the LLM) instead of distillation.
+        streaming_rounds: compress the context in this many rounds ``window`` tokens apart, the
+            way CurKVCache compresses a growing context (0: one selection).
+        hot_windows: recent windows each streaming round protects (the cache's hot tier).
     """
 
     steps: int
@@ -43,6 +46,8 @@ class Stage:
     temperature: float | None = None
     hard_topk: bool = False
     warm_start: bool = False
+    streaming_rounds: int | None = None
+    hot_windows: int | None = None
 
 
 class Curriculum(Callback):

@@ -1,0 +1,73 @@
+"""The streaming stage: the student's kept set is the one CurKVCache keeps while the context grows."""
+
+import pytest
+import torch
+
+from curkv_train.attention import patch_model
+from curkv_train.models.base import TINY_RANDOM, load_base_model
+from curkv_train.models.capture import estimator_inputs, prefill_context
+from curkv_train.objective import TrainingSettings, streaming_ends, streaming_keep_bias
+from curkv_train.runtime import CurKVCache
+from curkv_train.system import CurKVModule
+from runtime_helpers import family_scorer, single_threaded
+
+N_SINK, WINDOW, HOT_WINDOWS, ROUNDS, CONTEXT = 4, 16, 2, 4, 160
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    with single_threaded():
+        yield
+
+
+@pytest.mark.parametrize("family", ["seed", "query_aware"])
+@pytest.mark.parametrize("keep_ratio", [0.3, 0.6])
+def test_rounds_keep_what_the_cache_keeps(family, keep_ratio):
+    """Layer 0 keeps the same tokens per head. (Deeper layers' K/V of tokens that arrived after a
+    compression were computed over a compressed past in the cache, over the full one in training: the
+    rounds reproduce the cache's selection rule, not that drift.)"""
+    scorer = family_scorer(family, n_sink=N_SINK, window=WINDOW)
+    ids = torch.randint(0, 259, (1, CONTEXT), generator=torch.Generator().manual_seed(2))
+    ends = streaming_ends(CONTEXT, ROUNDS, WINDOW)
+
+    model = load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, hot_windows=HOT_WINDOWS, cold=False,
+                       backend="torch")
+    with torch.no_grad():
+        model(ids[:, : ends[0]], past_key_values=cache)
+        for start in ends[:-1]:
+            model(ids[:, start : start + WINDOW], past_key_values=cache)
+    assert cache.layers[0].seen == CONTEXT
+
+    base = patch_model(load_base_model(TINY_RANDOM))
+    estimator = scorer.estimator
+    capture = prefill_context(base, ids, record_last=0 if estimator.needs else None)
+    with torch.no_grad():
+        logits = [estimator(estimator_inputs(base, estimator, capture, scorer.key_view, end=end)) for end in ends]
+    bias, _ = streaming_keep_bias(logits, ends, n_sink=N_SINK, hot=HOT_WINDOWS * WINDOW, temperature=1.0,
+                                  keep_ratio=keep_ratio, hard=True)
+    kept = [set(torch.nonzero(bias[0, 0, head] > -1).flatten().tolist()) for head in range(2)]
+    held = [set(cache.layers[0].positions[0, head].tolist()) for head in range(2)]
+    assert kept == held and len(held[0]) < CONTEXT
+
+
+def test_soft_rounds_multiply_keep_probabilities():
+    logits = [torch.zeros(1, 1, 1, end) for end in (12, 16)]
+    bias, scores = streaming_keep_bias(logits, [12, 16], n_sink=1, hot=4, temperature=1.0, keep_ratio=0.5, hard=False)
+    half = torch.log(torch.tensor(0.5))
+    assert torch.allclose(bias[0, 0, 0, 1:8], 2 * half)  # competed in both rounds
+    assert torch.allclose(bias[0, 0, 0, 8:12], half) and torch.all(bias[0, 0, 0, 12:] == 0)
+    assert torch.all(bias[0, 0, 0, :1] == 0) and scores.shape == (1, 1, 1, 11)
+
+
+def test_streaming_training_step_runs_and_moves_the_estimator():
+    torch.manual_seed(0)
+    module = CurKVModule(base_model=TINY_RANDOM, estimator="query_aware", estimator_options={"observation_window": 8},
+                         window=8, n_sink=2, backend="torch", learning_rate=0.05)
+    module.configure_model()
+    module.apply_stage(TrainingSettings(keep_ratio=0.5, hard_topk=True, streaming_rounds=3, hot_windows=2))
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    ids = torch.randint(0, 259, (1, 72), generator=torch.Generator().manual_seed(3))
+    loss = module.training_step({"input_ids": ids, "context_length": 60}, 0)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in module.estimator.parameters())
