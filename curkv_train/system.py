@@ -137,23 +137,17 @@ class CurKVModule(L.LightningModule):
             for name, tensor in scorer.estimator.state_dict().items():
                 self.estimator.state_dict()[name].copy_(tensor)
 
-    def capture_context(self, input_ids: torch.Tensor, context_length: int, every_end: bool = False) -> ContextCapture:
-        """Prefill the context without grad, recording the attention inputs the estimator family reads.
+    def capture_context(self, input_ids: torch.Tensor, context_length: int) -> ContextCapture:
+        """Prefill the context without grad, recording the attention inputs if the estimator family reads them.
 
         Args:
             input_ids: (batch, context + continuation) token ids.
             context_length: tokens of the compressed context.
-            every_end: record what scoring at any earlier end needs too (streaming rounds).
         """
         positions = self.base.config.max_position_embeddings
         if input_ids.shape[1] > positions:
             raise CurKVError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's {positions} positions")
-        needs = self.estimator.needs
-        if "query_features" in needs:
-            record = 0 if every_end else self.estimator.observation_window
-        else:
-            record = 0 if "token_scores" in needs else None
-        return prefill_context(self.base, input_ids[:, :context_length], record_last=record)
+        return prefill_context(self.base, input_ids[:, :context_length], record_hidden=bool(self.estimator.needs))
 
     @torch.no_grad()
     def teacher_hidden(self, capture: ContextCapture, continuation: torch.Tensor) -> torch.Tensor:
@@ -225,7 +219,7 @@ class CurKVModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         ids, length, settings = batch["input_ids"], batch["context_length"], self.settings
         size = ids.shape[0]
-        capture = self.capture_context(ids, length, every_end=bool(settings.streaming_rounds))
+        capture = self.capture_context(ids, length)
         target = self.dense_target(capture) if settings.warm_start or self.hparams.dense_weight else None
         self._last_mean_keep = None
         if settings.warm_start:

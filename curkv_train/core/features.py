@@ -3,14 +3,16 @@
 Training capture, :class:`~curkv_train.runtime.CurKVCache` (after prefill and at every
 re-compression) and :class:`~curkv_train.runtime.CurKVPress` all call :func:`query_features`,
 so a scorer sees the same inputs wherever it runs. Per (batch, KV head, token j), from the
-pre-RoPE queries q_1..q_W of the last W tokens (the observation window):
+layer's :class:`~curkv_train.core.observation.Observation` (the last W tokens' attention inputs,
+and the moments of every query seen):
 
 - ``window_attention``: SnapKV's signal, the attention the window's queries (rotated to their
   own positions, causal) pay token j, averaged over the window, average-pooled over
   ``pool_kernel`` neighbouring tokens, averaged over the KV head's query heads; log(n·p).
 - ``expected_attention``: ExpectedAttention's signal, softmax over tokens of
-  s·μ'·k_j + ½·s²·k_jᵀΣ'k_j with μ, Σ the window queries' mean and covariance rotated by RoPE
-  averaged over the next ``future_positions`` positions; group-averaged; log(n·p).
+  s·μ'·k_j + ½·s²·k_jᵀΣ'k_j with μ, Σ the mean and covariance of the queries of every token
+  seen so far (but the first few, :class:`~curkv_train.core.observation.QueryStatistics`), rotated
+  by RoPE averaged over the next ``future_positions`` positions; group-averaged; log(n·p).
 - ``value_norm``: log ‖v_j‖.
 - ``output_norm``: log ‖W_O v_j‖, averaged over the KV head's query heads (what token j can
   write into the residual stream; KVzip+ and CriticalKV weigh by it).
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation, attention_module, pre_rope_queries
+from curkv_train.core.observation import Observation, QueryStatistics, attention_module, pre_rope_queries
 from curkv_train.core.rope import average_rotation, rotary_tables, rotate
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
@@ -59,7 +61,7 @@ def query_features(model: PreTrainedModel, layer: int, keys: torch.Tensor, value
     keys = keys.float()
     scale = getattr(module, "scaling", dim**-0.5)
     window = window_attention(model, queries, keys, positions, observation.positions, scale, pool_kernel)
-    expected = expected_attention(model, queries, keys, end, scale, future_positions)
+    expected = expected_attention(model, observation.statistics, keys, end, scale, future_positions)
     value_norm = values.float().norm(dim=-1).clamp_min(EPSILON).log()
     output_norm = output_norms(module, values, group).clamp_min(EPSILON).log()
     features = torch.stack([window, expected, value_norm, output_norm], dim=-1)
@@ -93,19 +95,17 @@ def window_attention(model: PreTrainedModel, queries: torch.Tensor, keys: torch.
     return _log_share(pooled.reshape(batch, kv_heads, -1, tokens).mean(dim=2))
 
 
-def expected_attention(model: PreTrainedModel, queries: torch.Tensor, keys: torch.Tensor, end: int, scale: float,
-                       future_positions: int) -> torch.Tensor:
+def expected_attention(model: PreTrainedModel, statistics: QueryStatistics, keys: torch.Tensor, end: int,
+                       scale: float, future_positions: int) -> torch.Tensor:
     """log(n·p) of the attention a Gaussian future query pays each key: (batch, kv_heads, tokens).
 
     Args:
-        queries: (batch, heads, W, head_dim) pre-RoPE window queries (their mean and covariance).
+        statistics: moments of the pre-RoPE queries seen (the Gaussian's mean and covariance).
         keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
         end: the next query's position; the rotation is averaged over [end, end + future_positions).
     """
     batch, kv_heads, tokens, dim = keys.shape
-    mean = queries.mean(dim=2)
-    centred = queries - mean[:, :, None]
-    covariance = centred.transpose(-1, -2) @ centred / queries.shape[2]
+    mean, covariance = statistics.mean(), statistics.covariance()
     rotation = average_rotation(model, end, future_positions, dim, keys)
     mean = (mean @ rotation.T).reshape(batch, kv_heads, -1, dim)
     covariance = (rotation @ covariance @ rotation.T).reshape(batch, kv_heads, -1, dim, dim)

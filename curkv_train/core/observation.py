@@ -17,21 +17,77 @@ import torch
 from transformers import PreTrainedModel
 
 
+class QueryStatistics:
+    """Running first and second moments of a layer's pre-RoPE queries, over every token seen.
+
+    Bounded memory however long the sequence: (batch, heads, head_dim) sums and
+    (batch, heads, head_dim, head_dim) outer-product sums, float32.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total: torch.Tensor | None = None
+        self.outer: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, queries: torch.Tensor) -> "QueryStatistics":
+        """The statistics of ``queries`` (batch, heads, tokens, head_dim)."""
+        statistics = cls()
+        statistics.update(queries)
+        return statistics
+
+    def update(self, queries: torch.Tensor) -> None:
+        """Add queries (batch, heads, tokens, head_dim)."""
+        queries = queries.detach().float()
+        total, outer = queries.sum(dim=2), queries.transpose(-1, -2) @ queries
+        self.total = total if self.total is None else self.total + total
+        self.outer = outer if self.outer is None else self.outer + outer
+        self.count += queries.shape[2]
+
+    def mean(self) -> torch.Tensor:
+        """(batch, heads, head_dim) mean query."""
+        return self.total / self.count
+
+    def covariance(self) -> torch.Tensor:
+        """(batch, heads, head_dim, head_dim) covariance (normalised by the count, as ExpectedAttention)."""
+        mean = self.mean()
+        return self.outer / self.count - mean[..., :, None] * mean[..., None, :]
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(t.numel() * t.element_size() for t in (self.total, self.outer) if t is not None)
+
+    def map_batch(self, fn) -> None:
+        """Apply a batch-dimension operation to the sums."""
+        if self.total is not None:
+            self.total, self.outer = fn(self.total), fn(self.outer)
+
+
 @dataclass
 class Observation:
-    """One layer's observation window.
+    """What a query-aware scorer reads of one layer besides K and V.
 
     Attributes:
-        hidden: (batch, W, hidden_size) attention inputs of the last W tokens seen.
+        hidden: (batch, W, hidden_size) attention inputs of the last W tokens seen (the observation window).
         positions: (W,) their absolute positions.
+        statistics: moments of the pre-RoPE queries of every token seen after the first few.
     """
 
     hidden: torch.Tensor
     positions: torch.Tensor
+    statistics: QueryStatistics
 
     def last(self, count: int) -> "Observation":
-        """The window cut to its last ``count`` tokens."""
-        return Observation(self.hidden[:, -count:], self.positions[-count:])
+        """The window cut to its last ``count`` tokens (the statistics are kept)."""
+        return Observation(self.hidden[:, -count:], self.positions[-count:], self.statistics)
+
+
+def observe_prefill(module: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
+                    skip: int) -> Observation:
+    """The observation of a prefill: attention inputs (batch, tokens, hidden_size) at ``positions`` (tokens,);
+    query statistics over the tokens at positions >= ``skip`` (the first tokens' queries are outliers)."""
+    counted = hidden[:, int((positions < skip).sum()):]
+    return Observation(hidden, positions, QueryStatistics.of(pre_rope_queries(module, counted)))
 
 
 def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:

@@ -2,8 +2,9 @@
 
 The frozen model runs over the context once; the capture keeps its cache (post-RoPE keys and
 values, reused by the teacher, the student and the reconstruction pass) and, when the
-estimator family needs them, the attention inputs of every layer (the observation window's
-hidden states for ``query_aware``, every token's for ``hidden``). :func:`estimator_inputs`
+estimator family needs them, every layer's attention inputs of every context token (the
+``query_aware`` family reads the observation window and the statistics of all queries, the
+``hidden`` family each token's hidden state). :func:`estimator_inputs`
 turns a capture into the estimator's :class:`~curkv_train.models.estimator.EstimatorInputs`
 through the same feature function the runtime uses.
 """
@@ -11,14 +12,15 @@ through the same feature function the runtime uses.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.attention import CompressionState
-from curkv_train.core.observation import HiddenRecorder, Observation
+from curkv_train.core.observation import (HiddenRecorder, Observation, QueryStatistics, attention_module,
+                                          pre_rope_queries)
 from curkv_train.core.rope import key_view
 from curkv_train.models.estimator import EstimatorInputs
 
@@ -32,14 +34,14 @@ class ContextCapture:
         cache: the base model's cache after the context (post-RoPE keys), cropped back to the
             context after every pass that extends it.
         values: (layers, batch, kv_heads, context, head_dim) float32 values.
-        hidden: per layer, (batch, recorded, hidden_size) attention inputs of the last
-            ``recorded`` context tokens, or None when none were recorded.
+        hidden: per layer, (batch, context, hidden_size) attention inputs, or None when not recorded.
     """
 
     context_ids: torch.Tensor
     cache: DynamicCache
     values: torch.Tensor
     hidden: list[torch.Tensor] | None = None
+    _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def context_length(self) -> int:
@@ -55,28 +57,29 @@ class ContextCapture:
         """(batch, kv_heads, context, head_dim) post-RoPE keys of ``layer``, as cached."""
         return self.cache.layers[layer].keys[:, :, : self.context_length]
 
-    def observation(self, layer: int, end: int) -> Observation:
-        """The hidden states recorded for ``layer`` up to position ``end`` (exclusive), with their positions."""
-        hidden = self.hidden[layer]
-        first = self.context_length - hidden.shape[1]
-        return Observation(hidden[:, : end - first], torch.arange(first, end, device=hidden.device))
+    def observation(self, model: PreTrainedModel, layer: int, end: int, skip: int) -> Observation:
+        """What a query-aware scorer at position ``end`` reads of ``layer``: the attention inputs before
+        ``end`` and the statistics of their queries from position ``skip`` on (as the runtime accumulates them)."""
+        if layer not in self._queries:
+            self._queries[layer] = pre_rope_queries(attention_module(model, layer), self.hidden[layer]).float()
+        statistics = QueryStatistics.of(self._queries[layer][:, :, skip:end])
+        return Observation(self.hidden[layer][:, :end], self.positions[:end], statistics)
 
 
 @torch.no_grad()
-def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, record_last: int | None = None) -> ContextCapture:
+def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, record_hidden: bool = False) -> ContextCapture:
     """Run the frozen model over ``context_ids`` (batch, context) once and keep its K/V.
 
     Args:
-        record_last: also keep every layer's attention inputs of the last ``record_last``
-            tokens (0 = all tokens, None = none).
+        record_hidden: also keep every layer's attention inputs.
     """
     cache = DynamicCache(config=model.config)
-    recorder = HiddenRecorder(keep_last=record_last or None)
-    with recorder.recording(model) if record_last is not None else nullcontext():
+    recorder = HiddenRecorder()
+    with recorder.recording(model) if record_hidden else nullcontext():
         model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True,
                             curkv_state=CompressionState(mode="full"))
     values = torch.stack([layer.values.float() for layer in cache.layers])
-    hidden = recorder.layers() if record_last is not None else None
+    hidden = recorder.layers() if record_hidden else None
     return ContextCapture(context_ids=context_ids, cache=cache, values=values, hidden=hidden)
 
 
@@ -129,8 +132,10 @@ def estimator_inputs(model: PreTrainedModel, estimator: nn.Module, capture: Cont
     features = token_scores = None
     if "query_features" in estimator.needs:
         with torch.no_grad():
-            features = torch.stack([estimator.query_features(model, layer, keys[layer], values[layer], positions, end,
-                                                             capture.observation(layer, end)) for layer in layers])
+            features = torch.stack([
+                estimator.query_features(model, layer, keys[layer], values[layer], positions, end,
+                                         capture.observation(model, layer, end, estimator.statistics_skip))
+                for layer in layers])
     if "token_scores" in estimator.needs:
         hidden = torch.stack([capture.hidden[layer][:, :end] for layer in layers])
         token_scores = estimator.token_scores(hidden)

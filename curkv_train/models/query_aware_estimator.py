@@ -33,7 +33,9 @@ class QueryAwareEstimator(ValueEstimator):
 
     Args:
         num_layers, num_kv_heads, head_dim, hidden_divisor, max_positions, init_keep: as the seed.
-        observation_window: W, the last W tokens whose queries the features read.
+        observation_window: W, the last W tokens whose queries the window-attention feature reads.
+        statistics_skip: the expected-attention statistics leave out the queries of the first
+            ``statistics_skip`` tokens (attention-sink outliers), as ExpectedAttention does.
         future_positions: positions after the end the expected-attention rotation averages over.
         pool_kernel: odd pooling width of the window-attention feature.
         feature_hidden: width of the residual MLP over the features.
@@ -45,7 +47,7 @@ class QueryAwareEstimator(ValueEstimator):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_divisor: int = 4,
                  max_positions: int = 8192, init_keep: float = 0.5, observation_window: int = 64,
-                 future_positions: int = 512, pool_kernel: int = 5, feature_hidden: int = 8,
+                 statistics_skip: int = 4, future_positions: int = 512, pool_kernel: int = 5, feature_hidden: int = 8,
                  init_rule: str = "expected_attention") -> None:
         super().__init__(num_layers, num_kv_heads, head_dim, hidden_divisor, max_positions, init_keep)
         if init_rule not in INIT_RULES:
@@ -53,7 +55,8 @@ class QueryAwareEstimator(ValueEstimator):
         if observation_window < 1 or pool_kernel < 1 or pool_kernel % 2 == 0:
             raise ValueError(f"need observation_window >= 1 and an odd pool_kernel, got {observation_window}, "
                              f"{pool_kernel}")
-        self.observation_window, self.future_positions, self.pool_kernel = observation_window, future_positions, pool_kernel
+        self.observation_window, self.statistics_skip = observation_window, statistics_skip
+        self.future_positions, self.pool_kernel = future_positions, pool_kernel
         self.feature_hidden, self.init_rule = feature_hidden, init_rule
         shape, count = (num_layers, num_kv_heads), len(QUERY_FEATURES)
         rule = torch.tensor([INIT_RULES[init_rule].get(name, 0.0) for name in QUERY_FEATURES])
@@ -67,7 +70,7 @@ class QueryAwareEstimator(ValueEstimator):
     def config(self) -> dict:
         """Constructor arguments, enough to rebuild this estimator."""
         return {**super().config(), "observation_window": self.observation_window,
-                "future_positions": self.future_positions, "pool_kernel": self.pool_kernel,
+                "statistics_skip": self.statistics_skip, "future_positions": self.future_positions, "pool_kernel": self.pool_kernel,
                 "feature_hidden": self.feature_hidden, "init_rule": self.init_rule}
 
     def activation_floats(self) -> int:

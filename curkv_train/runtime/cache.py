@@ -47,6 +47,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from curkv_train.errors import CurKVError
+from curkv_train.core.observation import attention_module, pre_rope_queries
 from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, compress_kv, kept_count, select_kept
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
@@ -334,8 +335,7 @@ class CurKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget everything held."""
-        self.__init__(self.layer_idx, self.settings, self.score_fn,
-                      ObservationBuffer(self.observer.window, self.observer.arrival_scores))
+        self.__init__(self.layer_idx, self.settings, self.score_fn, self.observer.emptied())
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension operation to every held tensor."""
@@ -436,8 +436,12 @@ class CurKVCache(Cache):
 
     def _observer(self, layer: int) -> ObservationBuffer:
         """An empty observation buffer sized for the scorer's needs at ``layer``."""
-        arrival = functools.partial(self.scorer.token_scores, layer) if self.scorer.scores_on_arrival else None
-        return ObservationBuffer(self.scorer.observation_window, arrival)
+        scorer = self.scorer
+        arrival = functools.partial(scorer.token_scores, layer) if scorer.scores_on_arrival else None
+        if not scorer.observation_window:
+            return ObservationBuffer(0, arrival)
+        queries = functools.partial(pre_rope_queries, attention_module(self.model, layer))
+        return ObservationBuffer(scorer.observation_window, arrival, queries, scorer.estimator.statistics_skip)
 
     def observe(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
         """Record layer ``layer_idx``'s attention inputs (batch, new, hidden_size) before its update

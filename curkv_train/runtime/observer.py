@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation, attention_modules
+from curkv_train.core.observation import Observation, QueryStatistics, attention_modules
 from curkv_train.errors import CurKVError
 
 HOOK_ATTRIBUTE = "_curkv_observer_hook"
@@ -36,19 +36,29 @@ def install_observer(model: PreTrainedModel) -> None:
 
 
 class ObservationBuffer:
-    """One layer's recent attention inputs, and the per-token scores of tokens that just arrived.
+    """One layer's observation (recent attention inputs, query statistics) and arriving tokens' scores.
 
     Args:
-        window: how many of the latest hidden states to keep (0: keep none).
+        window: how many of the latest hidden states to keep (0: keep none, and no statistics).
         arrival_scores: (hidden (batch, new, hidden_size)) -> (batch, kv_heads, new) logits of
             arriving tokens, for scorers that score a token once when it arrives; else None.
+        queries: (hidden (batch, new, hidden_size)) -> (batch, heads, new, head_dim) the layer's
+            pre-RoPE queries, for the running statistics (needed when ``window`` > 0).
+        statistics_skip: tokens at positions below it stay out of the statistics.
     """
 
-    def __init__(self, window: int, arrival_scores: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    def __init__(self, window: int, arrival_scores: Callable[[torch.Tensor], torch.Tensor] | None,
+                 queries: Callable[[torch.Tensor], torch.Tensor] | None = None, statistics_skip: int = 0) -> None:
         self.window, self.arrival_scores = window, arrival_scores
+        self.queries, self.statistics_skip = queries, statistics_skip
         self.hidden: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.statistics = QueryStatistics()
         self.pending: torch.Tensor | None = None
+
+    def emptied(self) -> "ObservationBuffer":
+        """A new, empty buffer with the same settings."""
+        return ObservationBuffer(self.window, self.arrival_scores, self.queries, self.statistics_skip)
 
     def observe(self, hidden: torch.Tensor, start: int) -> None:
         """Record attention inputs (batch, new, hidden_size) of tokens at positions start, start + 1, ..."""
@@ -57,6 +67,9 @@ class ObservationBuffer:
             kept = hidden.detach() if self.hidden is None else torch.cat([self.hidden, hidden.detach()], dim=1)
             every = positions if self.positions is None else torch.cat([self.positions, positions])
             self.hidden, self.positions = kept[:, -self.window:], every[-self.window:]
+            counted = hidden[:, max(0, self.statistics_skip - start):]
+            if counted.shape[1]:
+                self.statistics.update(self.queries(counted))
         if self.arrival_scores is not None:
             self.pending = self.arrival_scores(hidden)
 
@@ -71,13 +84,17 @@ class ObservationBuffer:
 
     def observation(self) -> Observation | None:
         """The recorded window, or None if nothing was observed (or no window is kept)."""
-        return None if self.hidden is None else Observation(self.hidden, self.positions)
+        if self.hidden is None or not self.statistics.count:
+            return None
+        return Observation(self.hidden, self.positions, self.statistics)
 
     def nbytes(self) -> int:
-        """Bytes held by the recorded window."""
-        return 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+        """Bytes held by the recorded window and the query statistics."""
+        window = 0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size()
+        return window + self.statistics.nbytes()
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension operation to the recorded hidden states."""
         if self.hidden is not None:
             self.hidden = fn(self.hidden)
+        self.statistics.map_batch(fn)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation
+from curkv_train.core.observation import Observation, attention_module, observe_prefill
 from curkv_train.core.rope import key_view
 from curkv_train.errors import CurKVError
 from curkv_train.models.estimator import EstimatorInputs
@@ -56,12 +56,14 @@ class Scorer:
         self.estimator.to(hidden.device)
         return self.estimator.token_scores(hidden[None], layers=torch.tensor([layer], device=hidden.device))[0]
 
-    def prefill_inputs(self, layer: int, hidden_states: torch.Tensor, positions: torch.Tensor) -> dict:
+    def prefill_inputs(self, model: PreTrainedModel, layer: int, hidden_states: torch.Tensor,
+                       positions: torch.Tensor) -> dict:
         """What this scorer reads besides K/V, from a prefill's attention inputs (batch, tokens, hidden_size)
         at ``positions`` (tokens,): :meth:`score_layer`'s ``observation`` and/or ``token_scores`` keywords."""
         extra = {}
         if self.observation_window:
-            extra["observation"] = Observation(hidden_states, positions)
+            extra["observation"] = observe_prefill(attention_module(model, layer), hidden_states, positions,
+                                                   self.estimator.statistics_skip)
         if self.scores_on_arrival:
             extra["token_scores"] = self.token_scores(layer, hidden_states)
         return extra

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from curkv_train.attention import patch_model
-from curkv_train.core.observation import Observation
+from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.selection import compressible_mask
 from curkv_train.core.shapes import kv_shape
@@ -41,8 +41,7 @@ def training_logits(scorer, ids):
     """What the training step computes: prefill capture -> estimator_inputs -> estimator."""
     base = patch_model(load_base_model(TINY_RANDOM))
     estimator = scorer.estimator
-    record = 0 if "token_scores" in estimator.needs else getattr(estimator, "observation_window", None)
-    capture = prefill_context(base, ids, record_last=record if estimator.needs else None)
+    capture = prefill_context(base, ids, record_hidden=bool(estimator.needs))
     with torch.no_grad():
         return estimator(estimator_inputs(base, estimator, capture, scorer.key_view))
 
@@ -109,21 +108,19 @@ def test_keep_one_generation_is_unchanged(model, ids, family):
 
 
 def test_untrained_query_aware_ranks_like_expected_attention(model, ids):
-    """Before training, z = log expected attention + log ||v|| (centred): ExpectedAttention's order."""
+    """Before training, z = log expected attention + log ||v|| (centred): the ExpectedAttention baseline's
+    order (statistics of every query but the sinks', the value norm) on every non-sink token."""
     shape = kv_shape(model.config)
-    estimator = build_estimator("query_aware", shape, observation_window=32, future_positions=64)
+    estimator = build_estimator("query_aware", shape, future_positions=64, statistics_skip=4)
     base = patch_model(load_base_model(TINY_RANDOM))
-    capture = prefill_context(base, ids, record_last=32)
+    capture = prefill_context(base, ids, record_hidden=True)
     with torch.no_grad():
         logits = estimator(estimator_inputs(base, estimator, capture, "pre_rope"))
     for layer in range(shape.num_layers):
-        window = capture.observation(layer, CONTEXT)
-        module = base.get_decoder().layers[layer].self_attn
-        queries = module.q_proj(window.hidden).view(1, 32, 4, 16).transpose(1, 2)
         ctx = LayerContext(layer=layer, keys=capture.cached_keys(layer), values=capture.values[layer],
-                           positions=capture.positions, queries=queries, model=base, n_sink=0)
-        rule = ExpectedAttentionScore(n_future_positions=64, n_sink=0)(ctx)
-        assert torch.equal(logits[layer].argsort(dim=-1), rule.argsort(dim=-1))
+                           positions=capture.positions, hidden=capture.hidden[layer], model=base, n_sink=4)
+        rule = ExpectedAttentionScore(n_future_positions=64, n_sink=4)(ctx)
+        assert torch.equal(logits[layer][..., 4:].argsort(dim=-1), rule[..., 4:].argsort(dim=-1))
 
 
 def test_query_aware_cache_without_observations_is_an_error(model):
@@ -178,7 +175,7 @@ def test_family_round_trips_through_export(tmp_path):
 
 
 def test_observation_window_takes_the_last_tokens():
-    observation = Observation(torch.arange(10.0).view(1, 10, 1), torch.arange(5, 15))
+    observation = Observation(torch.arange(10.0).view(1, 10, 1), torch.arange(5, 15), QueryStatistics())
     last = observation.last(3)
     assert last.hidden.flatten().tolist() == [7.0, 8.0, 9.0] and last.positions.tolist() == [12, 13, 14]
     assert compressible_mask(10, 2, 3).sum() == 5

@@ -41,7 +41,7 @@ def test_rounds_keep_what_the_cache_keeps(family, keep_ratio):
 
     base = patch_model(load_base_model(TINY_RANDOM))
     estimator = scorer.estimator
-    capture = prefill_context(base, ids, record_last=0 if estimator.needs else None)
+    capture = prefill_context(base, ids, record_hidden=bool(estimator.needs))
     with torch.no_grad():
         logits = [estimator(estimator_inputs(base, estimator, capture, scorer.key_view, end=end)) for end in ends]
     bias, _ = streaming_keep_bias(logits, ends, n_sink=N_SINK, hot=HOT_WINDOWS * WINDOW, temperature=1.0,
