@@ -20,6 +20,9 @@ dense copy of a cold block); otherwise it calls the wrapped implementation uncha
 so a cache without cold blocks attends exactly as before. Any other attention
 implementation is left alone and the cache reconstructs its cold blocks as before.
 
+The observation pre-hook of :mod:`curkv_train.runtime.observer` (hidden states for
+query-aware scorers) is a separate hook on the same modules.
+
 This module imports no training code (no Lightning, no ``curkv_train.attention``).
 """
 

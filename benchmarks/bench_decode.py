@@ -1,0 +1,215 @@
+"""Greedy decoding speed and memory of CurKVCache's tier settings vs DynamicCache, in one process.
+
+Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
+       [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 128] [--threads 2]
+       [--settings tiers,tiers-rebuild,dense-only,no-compensation,no-hot,no-warm] [--backend auto]
+
+For every context length: a prompt of that many tokens (the Python standard library's own
+sources, repeated as needed: timing only, no quality claim), prefilled once per cache, then
+``--new-tokens`` greedy decode steps. Prints per cache: decode tokens/s; the ratio to
+DynamicCache and to the dense-only CurKVCache (cold=False) at the same keep ratio; bytes
+held after decoding (DynamicCache: its K/V; CurKVCache: ``nbytes()``, factors included);
+the share of decode time spent compressing (``CurKVLayer.compress``: scoring, compaction,
+spilling to cold) and, inside it, scoring (the estimator); and how many greedy tokens
+agree with DynamicCache's. tokens/s counts every decode step (compression steps
+included); the median step time is the attention-only step, robust to a busy machine.
+One JSON line per run follows the tables.
+
+Settings: ``tiers`` default tiers (factored cold attention); ``tiers-rebuild`` the same
+but rebuilding cold blocks densely each step (``factored_attention=False``, the old
+path); ``dense-only`` cold=False; ``no-compensation`` cold without the sparse residual;
+``no-hot`` / ``no-warm`` hot=False / warm=False.
+
+The timing hooks wrap ``CurKVLayer.compress`` and ``CurKVCache._score`` inside this
+script only; the library carries no instrumentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sysconfig
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from curkv_train.models.base import load_base_model, load_tokenizer
+from curkv_train.runtime import CurKVCache, load_scorer
+from curkv_train.runtime.cache import CurKVLayer
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "tiers": {},
+    "tiers-rebuild": {"factored_attention": False},
+    "dense-only": {"cold": False},
+    "no-compensation": {"compensation": False},
+    "no-hot": {"hot": False},
+    "no-warm": {"warm": False},
+}
+BASELINE = "dynamic"
+DENSE_ONLY = "dense-only"
+
+TIMERS: dict[str, float] = defaultdict(float)
+
+
+def timed(name: str, method: Callable) -> Callable:
+    """``method`` adding its wall time to TIMERS[name]."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            TIMERS[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument() -> None:
+    """Time compression and scoring (class-level wrappers, this process only)."""
+    CurKVLayer.compress = timed("compress", CurKVLayer.compress)
+    CurKVCache._score = timed("score", CurKVCache._score)
+
+
+def stdlib_prompt(tokenizer, tokens: int) -> torch.Tensor:
+    """(1, tokens) ids of the standard library's sources (sorted files, repeated if short)."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    ids: list[int] = []
+    while len(ids) < tokens:
+        for path in files:
+            ids += tokenizer(path.read_text(errors="ignore"), add_special_tokens=False)["input_ids"]
+            if len(ids) >= tokens:
+                break
+    return torch.tensor([ids[:tokens]])
+
+
+def held_bytes(cache) -> int:
+    """Bytes the cache holds: CurKVCache.nbytes(), or a DynamicCache's K/V."""
+    if isinstance(cache, CurKVCache):
+        return cache.nbytes()
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@torch.no_grad()
+def decode(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+    """Prefill ``prompt`` then ``new_tokens`` greedy steps; seconds of each phase and the tokens."""
+    start = time.perf_counter()
+    logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    prefill_s = time.perf_counter() - start
+    TIMERS.clear()
+    tokens = [int(logits[0, -1].argmax())]
+    steps = []
+    for _ in range(new_tokens - 1):
+        token = torch.tensor([[tokens[-1]]])
+        start = time.perf_counter()
+        logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        tokens.append(int(logits[0, -1].argmax()))
+        steps.append(time.perf_counter() - start)
+    decode_s = sum(steps)
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "median_step_s": sorted(steps)[len(steps) // 2],
+            "tokens": tokens,
+            "compress_s": TIMERS["compress"], "score_s": TIMERS["score"], "bytes": held_bytes(cache)}
+
+
+def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every cache at one context length; rows with tokens/s, bytes and ratios."""
+    runs = [(BASELINE, None, lambda: DynamicCache(config=model.config))]
+    for keep in args.keeps:
+        for name in args.settings:
+            options = {"keep_ratio": keep, "backend": args.backend, **SETTINGS[name]}
+            runs.append((name, keep, functools.partial(CurKVCache, scorer, model=model, **options)))
+    rows = []
+    for name, keep, make in runs:
+        cache = make()
+        result = decode(model, cache, prompt, args.new_tokens)
+        steps = args.new_tokens - 1
+        row = {"context": prompt.shape[-1], "cache": name, "keep": keep, "tok_s": steps / result["decode_s"],
+               "median_step_ms": 1000 * result["median_step_s"], "prefill_s": result["prefill_s"],
+               "bytes": result["bytes"],
+               "compress_share": result["compress_s"] / result["decode_s"],
+               "score_share": result["score_s"] / result["decode_s"], "tokens": result["tokens"]}
+        if isinstance(cache, CurKVCache):
+            row["tiers"] = cache.tier_sizes(0)
+            row["factored"] = cache.factored_attention
+        rows.append(row)
+        print(f"  {name:16s} keep {keep if keep is not None else '-':>4}: {row['tok_s']:6.2f} tok/s", flush=True)
+    baseline = rows[0]
+    for row in rows:
+        dense = next((r for r in rows if r["cache"] == DENSE_ONLY and r["keep"] == row["keep"]), None)
+        row["vs_dynamic"] = row["tok_s"] / baseline["tok_s"]
+        row["vs_dense_only"] = None if dense is None else row["tok_s"] / dense["tok_s"]
+        row["bytes_vs_dynamic"] = row["bytes"] / baseline["bytes"]
+        row["token_agreement"] = sum(a == b for a, b in zip(row["tokens"], baseline["tokens"])) / len(row["tokens"])
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per cache: speed, ratios, memory, compression share, agreement."""
+    print(f"context {rows[0]['context']} (decode steps timed after prefill; ratios from this run)")
+    print(f"  {'cache':16s} {'keep':>4s} {'tok/s':>7s} {'med ms':>7s} {'vs dyn':>7s} {'vs dense':>8s} {'MiB held':>9s} "
+          f"{'mem/dyn':>7s} {'compress':>8s} {'score':>6s} {'agree':>6s} {'cold':>5s}")
+    for row in rows:
+        keep = "-" if row["keep"] is None else f"{row['keep']:.2f}"
+        versus_dense = "-" if row["vs_dense_only"] is None else f"{row['vs_dense_only']:.2f}x"
+        cold = row.get("tiers", {}).get("cold", "-")
+        print(f"  {row['cache']:16s} {keep:>4s} {row['tok_s']:7.2f} {row['median_step_ms']:7.1f} "
+              f"{row['vs_dynamic']:6.2f}x {versus_dense:>8s} "
+              f"{row['bytes'] / 2**20:9.2f} {row['bytes_vs_dynamic']:7.2f} {row['compress_share']:8.1%} "
+              f"{row['score_share']:6.1%} {row['token_agreement']:6.2f} {cold!s:>5s}")
+
+
+def csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def csv_floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def csv_settings(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = sorted(set(names) - set(SETTINGS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
+    return names
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="embedded:smollm2-135m-instruct")
+    parser.add_argument("--scorer", default="smollm2-135m", help="scorer folder or shipped checkpoint name")
+    parser.add_argument("--contexts", type=csv_ints, default=[2048, 4096, 8192], help="prompt lengths, comma-separated")
+    parser.add_argument("--keeps", type=csv_floats, default=[0.5, 0.3], help="keep ratios, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per run")
+    parser.add_argument("--settings", type=csv_settings, default=list(SETTINGS),
+                        help=f"CurKVCache settings, comma-separated from: {', '.join(SETTINGS)}")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--backend", default="auto", help="kernel backend of CurKVCache (auto, torch, triton)")
+    args = parser.parse_args()
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (one timed decode step)")
+    torch.set_num_threads(args.threads)
+    instrument()
+    model = load_base_model(args.base, attn_implementation="sdpa")
+    tokenizer = load_tokenizer(args.base)
+    scorer = load_scorer(args.scorer, model=model)
+    prompts = {context: stdlib_prompt(tokenizer, context) for context in args.contexts}
+    print(f"{args.base}, scorer {args.scorer}, {args.threads} threads, {args.new_tokens} new tokens, "
+          f"attention {model.config._attn_implementation}", flush=True)
+    results = []
+    for context, prompt in prompts.items():
+        rows = run_context(model, scorer, prompt, args)
+        print_table(rows)
+        results += rows
+    for row in results:
+        row.pop("tokens")
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+
+
+if __name__ == "__main__":
+    main()
