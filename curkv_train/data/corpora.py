@@ -8,6 +8,7 @@ across runs and machines and held-out documents never reach training.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,13 +38,20 @@ def stdlib_code() -> Iterator[dict]:
     are left out.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(_stdlib_files(root)):
         relative = path.relative_to(root)
-        if set(relative.parts) & STDLIB_SKIPPED_FOLDERS or relative.as_posix() in STDLIB_EXCLUDED:
+        if relative.as_posix() in STDLIB_EXCLUDED:
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():
             yield {"id": f"stdlib/{path.relative_to(root)}", "text": text}
+
+
+def _stdlib_files(root: Path) -> Iterator[Path]:
+    """Every ``.py`` file under ``root`` outside :data:`STDLIB_SKIPPED_FOLDERS` (pruned, not walked)."""
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in STDLIB_SKIPPED_FOLDERS]
+        yield from (Path(folder) / name for name in files if name.endswith(".py"))
 
 
 def python_docs() -> Iterator[dict]:

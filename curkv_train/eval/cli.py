@@ -19,7 +19,7 @@ from curkv_train.errors import CurKVError
 from curkv_train.eval.harness import EvalSettings, evaluate
 from curkv_train.eval.methods import BASELINES, CURKV, FULL, build_methods
 from curkv_train.eval.report import write_run
-from curkv_train.eval.tasks import SPAN_CUE, TASKS, build_examples, check_tasks, load_streams
+from curkv_train.eval.tasks import SPAN_CUE, TASKS, DataRecipe, build_examples, check_tasks, load_streams
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
@@ -119,7 +119,8 @@ def run_eval(
     tokenizer = load_tokenizer(base, fallback=fallback)
     if trained is not None:
         check_scorer_fits(trained, model)
-    streams = load_streams(tokenizer, task_names)
+    recipe = DataRecipe.of_scorer(trained.metadata if trained is not None else None)
+    streams = load_streams(tokenizer, task_names, recipe)
     task_examples = {task: build_examples(task, tokenizer, streams, context_length=context_length,
                                           continuation_length=continuation_length, examples=examples, seed=seed,
                                           protected=(n_sink, window), passkey_depths=list(passkey_depths),
@@ -132,7 +133,9 @@ def run_eval(
               "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,
               "window": window, "passkey_depths": list(passkey_depths), "passkey_lengths": lengths,
               "kvpress": kvpress, "kvpress_budget": kvpress_budget, "dtype": dtype, "backend": backend, "batch": batch,
-              "torch": torch.__version__, "python": platform.python_version()}
+              "torch": torch.__version__, "python": platform.python_version(),
+              "data": {"recipe": recipe.origin, "sources": recipe.record(),
+                       "streams": {name: stream.record() for name, stream in streams.items()}}}
     return write_run(out, results, config)
 
 

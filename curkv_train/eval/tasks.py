@@ -1,7 +1,8 @@
 """Evaluation tasks on held-out data: perplexity on text and code, passkey retrieval, repeated spans.
 
-Documents come from the validation split of the data module's sources (the split is
-a stable hash of the document id, so none of them reached training); synthetic
+Documents come from the validation split of the scorer's own recipe (its data sources'
+val_fraction; the split is a stable hash of the document id), with every span that also
+occurs in the recipe's training split cut out (:mod:`curkv_train.eval.heldout`); synthetic
 examples are drawn from string-seeded generators, a stream of seeds that training
 (integer seeds) never uses.
 """
@@ -9,13 +10,14 @@ examples are drawn from string-seeded generators, a stream of seeds that trainin
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
-from curkv_train.data.synthetic import passkey, repeated_span
+from curkv_train.data.synthetic import SYNTHETIC_TASKS, passkey, repeated_span
 from curkv_train.errors import CurKVError
+from curkv_train.eval.heldout import DocumentSource, HeldOutText, held_out_text, training_hashes
 
 # task -> (metric kind for curkv_train.eval.metrics.finalize, token stream it reads)
 TASKS = {
@@ -24,8 +26,10 @@ TASKS = {
     "passkey": ("passkey", "text"),
     "repeated_span": ("span", "text"),
 }
-# stream -> (document source kind, val_fraction) of the data module's sources
-STREAMS = {"text": ("pydoc", 0.3), "code": ("stdlib", 0.1)}
+# stream -> the document source kind it reads
+STREAM_KINDS = {"text": "pydoc", "code": "stdlib"}
+# The data sources assumed without a scorer recipe (those of the shipped recipes).
+DEFAULT_SOURCES = (DocumentSource("stdlib", 0.1), DocumentSource("pydoc", 0.3))
 # The main metric of each task kind (plots and tables list every metric; this one leads).
 MAIN_METRIC = {"ppl": "ppl_increase_pct", "passkey": "accuracy", "span": "token_accuracy"}
 SPAN_CUE = 8
@@ -60,13 +64,70 @@ def check_tasks(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def load_streams(tokenizer, tasks: list[str]) -> dict[str, np.ndarray]:
-    """Validation token streams the ``tasks`` read (pydoc prose at val_fraction 0.3, stdlib code at 0.1)."""
-    from curkv_train.data.tokenized import token_stream
+@dataclass(frozen=True)
+class DataRecipe:
+    """The document sources a scorer was trained on: the evaluation reads their validation split.
 
+    Attributes:
+        sources: every document source of the training mix (a synthetic task counts as its filler).
+        origin: ``scorer recipe`` (read from the scorer's metadata) or ``default`` (:data:`DEFAULT_SOURCES`).
+    """
+
+    sources: tuple[DocumentSource, ...]
+    origin: str
+
+    @classmethod
+    def of_scorer(cls, metadata: dict | None) -> "DataRecipe":
+        """The recipe in an exported scorer's metadata (``training.config.data.sources``), else the default."""
+        config = ((metadata or {}).get("training") or {}).get("config") or {}
+        entries = (config.get("data") or {}).get("sources")
+        if not entries:
+            return cls(DEFAULT_SOURCES, "default")
+        return cls(tuple(dict.fromkeys(_document_source(entry) for entry in entries)), "scorer recipe")
+
+    def source(self, kind: str) -> tuple[DocumentSource, str]:
+        """The source the evaluation reads for ``kind`` and where its split came from.
+
+        With several sources of one kind the smallest val_fraction wins: its validation
+        split is held out from all of them. A kind the recipe never trained on reads the
+        default split.
+        """
+        mine = [source for source in self.sources if source.kind == kind]
+        if mine:
+            return min(mine, key=lambda source: source.val_fraction), self.origin
+        return next(source for source in DEFAULT_SOURCES if source.kind == kind), "default"
+
+    def record(self) -> list[dict]:
+        """The sources as plain dicts (results.json)."""
+        return [{field.name: getattr(source, field.name) for field in fields(source)} for source in self.sources]
+
+
+def _document_source(entry: dict) -> DocumentSource:
+    """A recipe's ``data.sources`` entry (plain or jsonargparse ``init_args``) as the documents it reads."""
+    from curkv_train.data.datamodule import DataSource
+
+    arguments = entry.get("init_args", entry) if isinstance(entry, dict) else None
+    try:
+        source = DataSource(**arguments)
+    except TypeError as error:
+        raise CurKVError(f"the scorer's recipe has a data source the evaluation cannot read ({entry!r}): "
+                         f"{error}") from error
+    kind = source.filler if source.kind in SYNTHETIC_TASKS else source.kind
+    return DocumentSource(kind, float(source.val_fraction), source.path, source.name, source.text_field,
+                          source.limit)
+
+
+def load_streams(tokenizer, tasks: list[str], recipe: DataRecipe | None = None) -> dict[str, HeldOutText]:
+    """Held-out token streams the ``tasks`` read: the validation split of the recipe's pydoc (text) and
+    stdlib (code) sources, every span seen in the recipe's training split cut out."""
+    recipe = recipe or DataRecipe(DEFAULT_SOURCES, "default")
     needed = {TASKS[task][1] for task in tasks}
-    return {name: token_stream(tokenizer, STREAMS[name][0], "val", val_fraction=STREAMS[name][1])
-            for name in sorted(needed)}
+    seen, unchecked = training_hashes(tokenizer, list(recipe.sources))
+    streams = {}
+    for name in sorted(needed):
+        source, origin = recipe.source(STREAM_KINDS[name])
+        streams[name] = held_out_text(tokenizer, source, seen, unchecked, origin)
+    return streams
 
 
 def _rng(seed: int, task: str, index: int) -> random.Random:
@@ -81,17 +142,18 @@ def _document_block(stream: np.ndarray, length: int, rng: random.Random) -> torc
     return torch.from_numpy(stream[start : start + length].copy())
 
 
-def build_examples(task: str, tokenizer, streams: dict[str, np.ndarray], *, context_length: int,
+def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.ndarray], *, context_length: int,
                    continuation_length: int, examples: int, seed: int, protected: tuple[int, int],
                    passkey_depths: list[float], passkey_lengths: list[int]) -> list[TaskExample]:
     """``examples`` examples of ``task``; passkey examples cycle over the (length, depth) grid.
 
     Args:
-        streams: token streams by name (see :func:`load_streams`).
+        streams: token streams by name (see :func:`load_streams`), or their tokens.
         protected: (n_sink, window), spans the synthetic answers are placed outside of.
     """
     kind, stream_name = TASKS[task]
     stream = streams[stream_name]
+    stream = stream.tokens if isinstance(stream, HeldOutText) else stream
     filler = stream.tolist() if kind != "ppl" else None
     built = []
     for index in range(examples):
