@@ -1,7 +1,11 @@
 """One training step vs one plain forward of the same tokens, in one process.
 
 Usage: python benchmarks/bench_train_step.py [--base embedded:smollm2-135m-instruct]
-       [--context 1024] [--continuation 128] [--repeats 3]
+       [--context 1024] [--continuation 128] [--repeats 3] [--estimator seed|query_aware|hidden]
+       [--dense_weight 0.0] [--warm_start] [--streaming_rounds 0]
+
+The step is CurKVModule.training_step (prefill, reconstruction pass if the dense term is on,
+teacher, student forward/backward) plus the optimizer step, hard top-k at keep 0.5.
 
 Prints seconds per call, the ratio train-step / plain-forward (target <= 3x) and peak
 memory (CUDA: max allocated; CPU: growth of the process's peak RSS over each phase).
@@ -16,6 +20,7 @@ import time
 
 import torch
 
+from curkv_train.objective import TrainingSettings
 from curkv_train.system import CurKVModule
 
 
@@ -43,11 +48,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--continuation", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--estimator", default="seed", choices=("seed", "query_aware", "hidden"))
+    parser.add_argument("--dense_weight", type=float, default=0.0)
+    parser.add_argument("--warm_start", action="store_true")
+    parser.add_argument("--streaming_rounds", type=int, default=0)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    module = CurKVModule(base_model=args.base, window=64, backend="auto")
+    module = CurKVModule(base_model=args.base, window=64, backend="auto", estimator=args.estimator,
+                         dense_weight=args.dense_weight)
     module.configure_model()
     module.to(device)
+    module.apply_stage(TrainingSettings(keep_ratio=0.5, hard_topk=True, warm_start=args.warm_start,
+                                        streaming_rounds=args.streaming_rounds))
+    module.log = module.log_dict = lambda *args, **kwargs: None  # no trainer attached
     optimizer = module.configure_optimizers()
     vocab = module.base.config.vocab_size
     ids = torch.randint(0, vocab, (1, args.context + args.continuation), device=device)
@@ -57,10 +70,9 @@ def main() -> None:
             module.base(ids)
 
     def train_step() -> None:
-        capture, continuation, teacher = module.teacher_pass(ids, args.context)
-        out = module.distill(capture, continuation, teacher, keep_ratio=0.5, hard=False)
+        loss = module.training_step({"input_ids": ids, "context_length": args.context}, 0)
         optimizer.zero_grad()
-        out["loss"].backward()
+        loss.backward()
         optimizer.step()
 
     before = peak_memory_mb(device)
@@ -68,7 +80,9 @@ def main() -> None:
     forward_peak = peak_memory_mb(device)
     step_s = timed(train_step, args.repeats)
     step_peak = peak_memory_mb(device)
-    result = {"base": args.base, "device": device.type, "context": args.context,
+    result = {"base": args.base, "device": device.type, "estimator": args.estimator,
+              "dense_weight": args.dense_weight, "warm_start": args.warm_start,
+              "streaming_rounds": args.streaming_rounds, "context": args.context,
               "continuation": args.continuation, "forward_s": round(forward_s, 3), "train_step_s": round(step_s, 3),
               "ratio": round(step_s / forward_s, 2), "peak_mb_before": round(before),
               "peak_mb_after_forward": round(forward_peak), "peak_mb_after_train_step": round(step_peak)}

@@ -4,12 +4,14 @@ Constructing a :class:`~curkv_train.runtime.cache.CurKVCache` for a model calls
 :func:`install_runtime_attention`, which (idempotently)
 
 - puts :func:`record_cache_layer` as a forward pre-hook on every decoder attention
-  module: before each call it records, on the module, the cache layer the call will use
-  when ``past_key_values`` is a CurKVCache (``None`` otherwise), and tells that layer
-  whether this call's attention is factored;
-- switches the model's attention implementation (``sdpa`` or ``eager``) to a wrapper
-  registered under ``curkv_factored_<implementation>``, with the wrapped
-  implementation's mask function (so masks are unchanged).
+  module: before each call, when ``past_key_values`` is a CurKVCache, it hands the cache
+  the module's input hidden states (``CurKVCache.observe``: what query-aware and
+  hidden-state scorers read), records on the module the cache layer the call will use
+  (``None`` for any other cache), and tells that layer whether this call's attention is
+  factored;
+- when asked to (a cache with a cold tier), switches the model's attention implementation
+  (``sdpa`` or ``eager``) to a wrapper registered under ``curkv_factored_<implementation>``,
+  with the wrapped implementation's mask function (so masks are unchanged).
 
 A step then runs as follows. ``CurKVLayer.update`` returns only the dense tokens
 (sinks, warm, hot, new) and leaves the cold blocks it did not reconstruct in
@@ -19,9 +21,6 @@ wrapper finds the layer recorded on its ``module``: with cold blocks pending it 
 dense copy of a cold block); otherwise it calls the wrapped implementation unchanged,
 so a cache without cold blocks attends exactly as before. Any other attention
 implementation is left alone and the cache reconstructs its cold blocks as before.
-
-The observation pre-hook of :mod:`curkv_train.runtime.observer` (hidden states for
-query-aware scorers) is a separate hook on the same modules.
 
 This module imports no training code (no Lightning, no ``curkv_train.attention``).
 """
@@ -67,15 +66,16 @@ def cache_layer_of(module: torch.nn.Module) -> CurKVLayer | None:
 def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Forward pre-hook (``with_kwargs=True``) of a decoder attention module.
 
-    When ``kwargs["past_key_values"]`` is a CurKVCache, records its layer for this
-    module (a weak reference: the module never keeps a cache alive) and tells the
-    layer whether this call's attention is factored (the cache allows it and the
-    model's implementation is a factored wrapper); otherwise clears the record.
+    When ``kwargs["past_key_values"]`` is a CurKVCache, hands it the module's input hidden
+    states, records its layer for this module (a weak reference: the module never keeps a
+    cache alive) and tells the layer whether this call's attention is factored (the cache
+    allows it and the model's implementation is a factored wrapper); otherwise clears the record.
     """
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, CurKVCache):
         setattr(module, LAYER_ATTRIBUTE, None)
         return
+    cache.observe(module.layer_idx, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
     layer = cache.layers[module.layer_idx]
     implementation = getattr(module.config, "_attn_implementation", None)
     layer.factored_attention = cache.factored_attention and is_factored(implementation)
@@ -98,7 +98,7 @@ def wrapped_function(module: torch.nn.Module, implementation: str) -> AttentionF
 
 def factored_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, attention_mask: torch.Tensor | None,
-                               layer: CurKVLayer, scaling: float | None = None, dropout: float = 0.0,
+                               layer: CurKVLayer, dropout: float = 0.0, scaling: float | None = None,
                                **kwargs: Any) -> tuple[torch.Tensor, None]:
     """One softmax over ``layer.factored_cold`` (through their factors) and the dense ``key``/``value``.
 
@@ -151,18 +151,21 @@ def register_factored_attention(implementation: str) -> str:
     return name
 
 
-def install_runtime_attention(model: PreTrainedModel) -> bool:
-    """Hook every decoder attention module of ``model`` and switch it to factored cold attention (idempotent).
+def install_runtime_attention(model: PreTrainedModel, factored: bool = True) -> bool:
+    """Hook every decoder attention module of ``model`` and, with ``factored``, switch it to factored
+    cold attention (both idempotent).
 
     Returns:
-        Whether the model now runs factored cold attention (its implementation was sdpa
-        or eager, or already factored). With any other implementation the hooks are still
-        installed and the cache reconstructs its cold blocks.
+        Whether the model now runs factored cold attention (asked for, and its implementation
+        was sdpa or eager, or already factored). With any other implementation the hooks are
+        still installed and the cache reconstructs its cold blocks.
     """
     for module in attention_modules(model):
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(record_cache_layer, with_kwargs=True))
     implementation = model.config._attn_implementation
+    if not factored:
+        return False
     if is_factored(implementation):
         return True
     if implementation not in WRAPPABLE:

@@ -52,7 +52,7 @@ from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, compress_kv, 
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
-from curkv_train.runtime.observer import ObservationBuffer, install_observer
+from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.scorer import Scorer
 
 log = logging.getLogger(__name__)
@@ -431,8 +431,7 @@ class CurKVCache(Cache):
         layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
                   for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
-        install_observer(model)
-        self.factored_attention = install_runtime_attention(model) and factored_attention
+        self.factored_attention = install_runtime_attention(model, factored=cold and factored_attention)
 
     def _observer(self, layer: int) -> ObservationBuffer:
         """An empty observation buffer sized for the scorer's needs at ``layer``."""
@@ -445,7 +444,7 @@ class CurKVCache(Cache):
 
     def observe(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
         """Record layer ``layer_idx``'s attention inputs (batch, new, hidden_size) before its update
-        (called by the pre-hook :func:`~curkv_train.runtime.observer.install_observer` adds)."""
+        (called by the pre-hook of :func:`~curkv_train.runtime.attention.install_runtime_attention`)."""
         self.layers[layer_idx].observe(hidden_states)
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,

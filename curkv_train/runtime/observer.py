@@ -1,10 +1,9 @@
-"""How CurKVCache sees what a query-aware or hidden-state scorer reads: the layers' attention inputs.
+"""What CurKVCache keeps of the layers' attention inputs for query-aware and hidden-state scorers.
 
-A transformers Cache only receives keys and values. :func:`install_observer` adds a forward
-pre-hook to every decoder attention module of a model; when the call's ``past_key_values`` is a
-cache with an ``observe(layer, hidden_states)`` method (CurKVCache), the hook hands it the
-module's input hidden states before the module runs (and so before the cache's ``update``).
-With any other cache the hook does nothing. Installing twice is a no-op.
+A transformers Cache only receives keys and values; the pre-hook of
+:mod:`curkv_train.runtime.attention` hands ``CurKVCache.observe`` each attention module's input
+hidden states before the module runs (and so before the cache's ``update``), and the layer's
+:class:`ObservationBuffer` keeps what its scorer reads.
 """
 
 from __future__ import annotations
@@ -12,28 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation, QueryStatistics, attention_modules
+from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.errors import CurKVError
-
-HOOK_ATTRIBUTE = "_curkv_observer_hook"
-
-
-def _observe(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    cache = kwargs.get("past_key_values")
-    observe = getattr(cache, "observe", None)
-    if observe is not None:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        observe(module.layer_idx, hidden)
-
-
-def install_observer(model: PreTrainedModel) -> None:
-    """Register the observing pre-hook on every attention module of ``model`` (idempotent)."""
-    for module in attention_modules(model):
-        if getattr(module, HOOK_ATTRIBUTE, None) is None:
-            setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(_observe, with_kwargs=True))
-
 
 class ObservationBuffer:
     """One layer's observation (recent attention inputs, query statistics) and arriving tokens' scores.
