@@ -14,7 +14,7 @@ Compression runs after prefill and again each time ``window`` new tokens have
 arrived: the tokens that left the hot tier join the warm ones, are re-scored at the
 current length, and the top ones are kept so that the compressible tokens held
 (warm + cold) number ⌈ρ·n⌉ for the n compressible tokens seen so far (capped by
-``max_kept_tokens``). Cold blocks are formed once and never re-selected. Different
+``max_tokens`` / ``max_bytes``, a fixed-memory budget). Cold blocks are formed once and never re-selected. Different
 heads keep different tokens but always the same count, so K and V stay dense
 (batch, kv_heads, kept, head_dim) tensors.
 
@@ -36,6 +36,7 @@ re-indexed and is not supported.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -84,7 +85,7 @@ class TierSettings:
     cold_core: str
     compensation: bool
     compensation_ratio: float
-    max_kept_tokens: int | None
+    max_tokens: int | None
     backend: str
 
     def __post_init__(self) -> None:
@@ -99,10 +100,23 @@ class TierSettings:
             raise CurKVError(f"compensation_ratio must be in [0, 1], got {self.compensation_ratio}")
         if self.cold_core not in cur.CORES:
             raise CurKVError(f"unknown cold_core {self.cold_core!r}; expected one of {', '.join(cur.CORES)}")
-        if self.max_kept_tokens is not None and self.max_kept_tokens < 0:
-            raise CurKVError(f"max_kept_tokens must be >= 0 or None, got {self.max_kept_tokens}")
+        if self.max_tokens is not None and self.kept_cap < 0:
+            raise CurKVError(f"a budget of {self.max_tokens} tokens per (layer, KV head) is smaller than what every "
+                             f"layer always holds: {self.fixed_tokens} (n_sink {self.n_sink} + hot tier "
+                             f"{self.hot_tokens} + {self.window - 1} tokens arriving before the next compression); "
+                             "raise the budget or lower n_sink / window / hot_windows")
         if self.backend not in BACKENDS:
             raise CurKVError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
+
+    @property
+    def fixed_tokens(self) -> int:
+        """Tokens a layer may hold per (batch, KV head) besides the kept ones: sinks, hot tier, pending arrivals."""
+        return self.n_sink + self.hot_tokens + self.window - 1
+
+    @property
+    def kept_cap(self) -> int | None:
+        """Most compressible tokens (warm + cold) held under ``max_tokens``, or None without a budget."""
+        return None if self.max_tokens is None else self.max_tokens - self.fixed_tokens
 
     def ratio(self, seen: int) -> float:
         """The keep ratio ρ in force after ``seen`` tokens."""
@@ -111,7 +125,7 @@ class TierSettings:
     def target(self, compressible_seen: int, seen: int) -> int:
         """Compressible tokens to hold (warm + cold) after ``compressible_seen`` of them went by."""
         count = kept_count(compressible_seen, self.ratio(seen))
-        return count if self.max_kept_tokens is None else min(count, self.max_kept_tokens)
+        return count if self.max_tokens is None else min(count, self.kept_cap)
 
 
 @dataclass
@@ -394,9 +408,13 @@ class CurKVCache(Cache):
         cold_core: ``optimal`` or ``intersection`` (see :mod:`curkv_train.runtime.cur`).
         compensation: keep the largest entries of each cold block's CUR residual.
         compensation_ratio: share of a block's entries kept as residual.
-        max_kept_tokens: cap on compressible tokens held per (layer, KV head); with it the
-            cache holds at most n_sink + hot + window + max_kept_tokens tokens however long
-            generation runs (without it, ρ of the tokens seen).
+        max_tokens: a fixed-memory budget: at most this many tokens held per (layer, KV head),
+            all tiers counted, however long generation runs (without it the cache holds ρ of the
+            tokens seen); ρ still applies while it holds fewer. Must cover n_sink + the hot tier
+            + window − 1 tokens arriving between compressions.
+        max_bytes: the budget in bytes for the whole cache (what a server sizes by), turned into
+            ``max_tokens`` with every token counted as dense (cold tokens cost less, so the
+            bytes held stay below it); with both, the smaller budget wins.
         backend: compaction and factored-attention kernel backend (auto, torch, triton).
         factored_attention: attend to cold blocks through their factors (the model's sdpa or
             eager attention is wrapped, see :mod:`curkv_train.runtime.attention`); False
@@ -408,7 +426,7 @@ class CurKVCache(Cache):
                  hot: bool = True, hot_windows: int = 3, warm: bool = True, warm_windows: int = 10,
                  cold: bool = True, cold_block: int | None = None, cold_rows: int | None = None,
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
-                 compensation_ratio: float = 0.05, max_kept_tokens: int | None = None,
+                 compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
                  backend: str = "auto", factored_attention: bool = True) -> None:
         from curkv_train.runtime.attention import install_runtime_attention
         from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
@@ -426,11 +444,16 @@ class CurKVCache(Cache):
             window=window, hot_tokens=window * (hot_windows if hot else 1),
             warm_tokens=window * warm_windows if warm else 0, cold=cold, cold_block=cold_block or 4 * window,
             cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,
-            compensation=compensation, compensation_ratio=compensation_ratio, max_kept_tokens=max_kept_tokens,
+            compensation=compensation, compensation_ratio=compensation_ratio, max_tokens=max_tokens,
             backend=backend)
         layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
                   for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
+        if max_bytes is not None:
+            budget = self.tokens_within(max_bytes)
+            self.settings = dataclasses.replace(self.settings, max_tokens=min(budget, max_tokens or budget))
+            for layer in self.layers:
+                layer.settings = self.settings
         self.factored_attention = install_runtime_attention(model, factored=cold and factored_attention)
 
     def _observer(self, layer: int) -> ObservationBuffer:
@@ -466,6 +489,34 @@ class CurKVCache(Cache):
         layer = self.layers[layer_idx]
         return {"seen": layer.seen, "sink": layer.n_sink_held, "hot": layer.n_hot, "warm": layer.n_warm,
                 "cold": layer.cold_tokens}
+
+    def bytes_per_token(self) -> int:
+        """Bytes one dense token costs the whole cache: K and V of every layer and KV head, its position
+        (int32 counted) and, for scorers that score on arrival, its stored score."""
+        shape = kv_shape(self.model.config)
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        per_head = 2 * shape.head_dim * element + 4 + (4 if self.scorer.scores_on_arrival else 0)
+        return shape.num_layers * shape.num_kv_heads * per_head
+
+    def observation_bytes(self) -> int:
+        """Bytes the observation takes whatever the length (window of hidden states and query moments)."""
+        shape = kv_shape(self.model.config)
+        window = self.scorer.observation_window
+        if not window:
+            return 0
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        moments = shape.num_attention_heads * shape.head_dim * (shape.head_dim + 1) * 4
+        return shape.num_layers * (window * shape.hidden_size * element + moments)
+
+    def tokens_within(self, max_bytes: int) -> int:
+        """Tokens per (layer, KV head) a budget of ``max_bytes`` for the whole cache pays for (batch 1)."""
+        budget = (max_bytes - self.observation_bytes()) // self.bytes_per_token()
+        if budget < self.settings.fixed_tokens:
+            raise CurKVError(f"max_bytes {max_bytes} pays for {max(budget, 0)} tokens per (layer, KV head), fewer than "
+                             f"the {self.settings.fixed_tokens} every layer always holds (n_sink + hot tier + window - 1)"
+                             f"; give at least {self.settings.fixed_tokens * self.bytes_per_token() + self.observation_bytes()} "
+                             "bytes or lower n_sink / window / hot_windows")
+        return budget
 
     def token_bound(self, layer_idx: int = 0) -> int:
         """Most tokens layer ``layer_idx`` may hold per (batch, KV head) at its current length."""

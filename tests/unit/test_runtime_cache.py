@@ -39,6 +39,16 @@ def greedy(model, ids: torch.Tensor, cache=None, new: int = 40) -> torch.Tensor:
                           past_key_values=cache, pad_token_id=0, eos_token_id=None)
 
 
+def decode(model, ids: torch.Tensor, cache, new: int, on_step) -> None:
+    """Greedy decoding one token per forward, calling ``on_step()`` after the prefill and every step."""
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+        on_step()
+        for _ in range(new):
+            logits = model(logits[:, -1:].argmax(dim=-1), past_key_values=cache).logits
+            on_step()
+
+
 def held_tensor_bytes(cache: CurKVCache) -> int:
     """Bytes of every tensor the cache's layers reference, counted independently of nbytes()."""
     total = 0
@@ -129,13 +139,32 @@ def test_decoding_recompresses_and_stays_within_bound(model, scorer):
     assert cache.layers[0].compressible_seen == 200 + 4 * WINDOW - N_SINK - cache.tier_sizes(0)["hot"]
 
 
-def test_max_kept_tokens_bounds_memory_for_long_generation(model, scorer):
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, max_kept_tokens=40, backend="torch")
-    greedy(model, prompt(120), cache, new=6 * WINDOW)
-    bound = N_SINK + 3 * WINDOW + WINDOW - 1 + 40
+def test_token_budget_bounds_memory_for_long_generation(model, scorer):
+    budget = N_SINK + 3 * WINDOW + WINDOW - 1 + 40
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, max_tokens=budget, backend="torch")
+    sizes = []
+    decode(model, prompt(120), cache, 6 * WINDOW, lambda: sizes.append(cache.held_tokens(0)))
+    assert max(sizes) <= budget and max(sizes) > budget - WINDOW  # the budget binds
     for index in range(len(cache.layers)):
-        assert cache.held_tokens(index) <= bound
-        assert cache.token_bound(index) == bound
+        assert cache.held_tokens(index) <= budget
+        assert cache.token_bound(index) == budget
+
+
+def test_byte_budget_bounds_the_bytes_held(model, scorer):
+    dense = CurKVCache(scorer, model=model, keep_ratio=1.0, cold=False, backend="torch")
+    greedy(model, prompt(300), dense, new=2 * WINDOW)
+    budget = dense.nbytes() // 2
+    cache = CurKVCache(scorer, model=model, keep_ratio=1.0, max_bytes=budget, backend="torch")
+    held = []
+    decode(model, prompt(300), cache, 6 * WINDOW, lambda: held.append(cache.nbytes()))
+    assert max(held) <= budget and max(held) > budget * 0.6
+    assert cache.settings.max_tokens == cache.tokens_within(budget)
+
+
+@pytest.mark.parametrize("budget", [{"max_tokens": N_SINK + 3 * WINDOW}, {"max_bytes": 1000}])
+def test_budget_smaller_than_what_every_layer_holds_is_refused(model, scorer, budget):
+    with pytest.raises(CurKVError, match="every layer always holds"):
+        CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **budget)
 
 
 def test_tiers_hold_fewer_bytes_and_still_generate(model, scorer):
