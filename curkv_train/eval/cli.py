@@ -127,7 +127,8 @@ def run_eval(
                                           passkey_lengths=lengths)
                      for task in task_names}
     results = evaluate(model, task_examples, score_functions, settings,
-                       progress=lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True))
+                       progress=lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True),
+                       tokenizer=tokenizer)
     config = {"scorer": scorer, "base": base, "ratios": list(ratios), "tasks": task_names,
               "methods": list(score_functions), "context_length": context_length,
               "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,

@@ -4,18 +4,21 @@ Per example: prefill the context once (capturing queries when an attention-based
 method needs them); run the continuation on the full cache (the reference); score
 the context layer by layer with every method; then for each method and compression
 ratio select, compact, build the compressed cache and run the continuation again.
-kvpress presses (optional) prefill under the press, then continue the same way.
+kvpress presses (optional) prefill under the press, then continue the same way; a
+press that masks keys instead of dropping them continues right after its own prefill,
+while its masks are on the model, and the masks are cleared before anything else runs.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from curkv_train.core.shapes import kv_shape
 from curkv_train.errors import CurKVError
 from curkv_train.eval import kvpress_bridge
 from curkv_train.eval.compressed import (
@@ -89,53 +92,87 @@ def _budget(cache, context_length: int) -> dict[str, float]:
             "kv_bytes": float(cache_bytes(cache))}
 
 
+@dataclass
+class _Entry:
+    """One compressed cache of an example at one ratio: its budget, and its sums once continued."""
+
+    name: str
+    cache: DynamicCache | None
+    budget: dict[str, float]
+    sums: dict[str, float] = field(default_factory=dict)
+
+
 @torch.no_grad()
 def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, ScoreFunction | None],
-                     settings: EvalSettings, seed: int) -> list[tuple[str, float, dict[str, float]]]:
+                     settings: EvalSettings, seed: int, tokenizer=None) -> list[tuple[str, float, dict[str, float]]]:
     """(method, ratio, sums) for every method and ratio on one example.
 
     The full cache is the reference of every KL and perplexity increase, so its row
-    (``full``, at ratio 0) is always there.
+    (``full``, at ratio 0) is always there. ``tokenizer`` is read by kvpress's KVzip only.
     """
     device = next(model.parameters()).device
     ids = example.input_ids.to(device)
     length = example.context_length
     context_ids, continuation_ids = ids[:, :length], ids[:, length:]
     needs_queries = any(getattr(fn, "needs_queries", False) for fn in methods.values() if fn is not None)
+    started = time.perf_counter()
     context = prefill(model, context_ids, capture_queries=needs_queries)
+    prefill_seconds = time.perf_counter() - started
     full_cache = compress_prefill(model, context, None, n_sink=settings.n_sink, window=settings.window,
                                   keep_ratio=1.0)
-    full_budget = _budget(full_cache, length)
+    full_budget = {**_budget(full_cache, length), "prefill_seconds": prefill_seconds}
     reference = continuation_logits(model, full_cache, continuation_ids, length)
-    rows = [(FULL, 0.0, {**continuation_sums(reference, reference, continuation_ids, example.answer),
-                         **full_budget})]
+
+    def measure(logits: torch.Tensor) -> dict[str, float]:
+        return continuation_sums(logits, reference, continuation_ids, example.answer)
+
+    rows = [(FULL, 0.0, {**measure(reference), **full_budget})]
     scores = score_layers(model, context, methods, settings, seed)
     context.hidden.clear()
     for ratio in settings.ratios:
-        entries = [(name, compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
-                                           keep_ratio=1.0 - ratio, backend=settings.backend))
-                   for name, per_layer in scores.items()]
+        entries = []
+        for name, per_layer in scores.items():
+            cache = compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
+                                     keep_ratio=1.0 - ratio, backend=settings.backend)
+            entries.append(_Entry(name, cache, _budget(cache, length)))
         if settings.kvpress:
-            entries += _press_caches(model, context_ids, ratio, settings, seed)
-        budgets = [_budget(cache, length) for _, cache in entries]
-        all_logits = batched_continuation_logits(model, [cache for _, cache in entries], continuation_ids, length,
+            entries += _press_entries(model, context_ids, continuation_ids, ratio, settings, seed, tokenizer, measure)
+        pending = [entry for entry in entries if entry.cache is not None]
+        all_logits = batched_continuation_logits(model, [entry.cache for entry in pending], continuation_ids, length,
                                                  settings.max_batch)
-        for (name, _), budget, logits in zip(entries, budgets, all_logits):
-            rows.append((name, ratio, {**continuation_sums(logits, reference, continuation_ids, example.answer),
-                                       **budget}))
+        for entry, logits in zip(pending, all_logits):
+            entry.sums = measure(logits)
+        rows += [(entry.name, ratio, {**entry.sums, **entry.budget}) for entry in entries]
     return rows
 
 
-def _press_caches(model: PreTrainedModel, context_ids: torch.Tensor, ratio: float, settings: EvalSettings,
-                  seed: int) -> list[tuple[str, DynamicCache]]:
-    """(``kvpress:<name>``, cache) of every installed press at compression ``ratio``: one prefill each."""
+def _press_entries(model: PreTrainedModel, context_ids: torch.Tensor, continuation_ids: torch.Tensor, ratio: float,
+                   settings: EvalSettings, seed: int, tokenizer,
+                   measure: Callable[[torch.Tensor], dict[str, float]]) -> list[_Entry]:
+    """Every installed press at compression ``ratio``: one prefill each (KVzip: its reconstruction too).
+
+    A press that drops keys leaves its cache for the batched continuation; a masked press is
+    continued (and measured) at once, while its masks are on the model, which are then cleared.
+    """
     length = context_ids.shape[1]
+    shape = kv_shape(model.config)
     entries = []
     for name in kvpress_bridge.available_presses():
-        press_ratio = kvpress_bridge.press_ratio(length, ratio, n_sink=settings.n_sink, window=settings.window,
-                                                 budget=settings.kvpress_budget)
+        spec = kvpress_bridge.PRESSES[name]
+        press_ratio = kvpress_bridge.press_ratio(
+            length, ratio, n_sink=settings.n_sink, window=settings.window, budget=settings.kvpress_budget,
+            pooled_heads=shape.num_layers * shape.num_kv_heads if spec.global_budget else 1)
         press = kvpress_bridge.make_press(name, press_ratio, n_sink=settings.n_sink, window=settings.window, seed=seed)
-        entries.append((kvpress_bridge.PREFIX + name, kvpress_bridge.press_cache(model, name, press, context_ids, seed)))
+        pressed = kvpress_bridge.press_cache(model, name, press, context_ids, seed, tokenizer=tokenizer)
+        budget = {"kept_tokens": pressed.kept_tokens, "context_tokens": float(length),
+                  "kv_bytes": float(cache_bytes(pressed.cache)), "prefill_seconds": pressed.prefill_seconds}
+        entry = _Entry(kvpress_bridge.PREFIX + name, pressed.cache, budget)
+        if pressed.masked:
+            with kvpress_bridge.masks_cleared(model):
+                entry.sums = measure(kvpress_bridge.masked_continuation_logits(model, pressed.cache,
+                                                                               continuation_ids, length))
+            entry.cache = None
+        entries.append(entry)
     return entries
 
 
@@ -145,13 +182,14 @@ def _tags(example: TaskExample) -> list[str]:
 
 def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
              methods: dict[str, ScoreFunction | None], settings: EvalSettings,
-             progress: Callable[[str], None] | None = None) -> dict:
+             progress: Callable[[str], None] | None = None, tokenizer=None) -> dict:
     """Run every method on every example and aggregate.
 
     Args:
         examples: task name -> its examples.
         methods: method name -> score function (``full`` -> None).
         progress: called with one line per finished example.
+        tokenizer: the base model's tokenizer (kvpress's KVzip reads it).
 
     Returns:
         {"rows": [{"method", "ratio", "task", "metrics"}], "main_metric": {task: metric},
@@ -169,15 +207,17 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
         for index, example in enumerate(task_examples):
             tick = time.perf_counter()
             for method, ratio, sums in evaluate_example(model, example, methods, settings,
-                                                        settings.seed * 1_000_003 + number):
+                                                        settings.seed * 1_000_003 + number, tokenizer):
                 for tag in _tags(example):
                     add_sums(totals.setdefault((method, ratio, task, tag), {}), sums)
             number += 1
             if progress is not None:
                 progress(f"{task} {index + 1}/{len(task_examples)}: {time.perf_counter() - tick:.1f} s")
         seconds[task] = (time.perf_counter() - started) / max(1, len(task_examples))
+    masked = [kvpress_bridge.PREFIX + name for name in kvpress_bridge.masked_presses()] if settings.kvpress else []
     return {"rows": _rows(totals), "main_metric": {task: MAIN_METRIC[TASKS[task][0]] for task in examples},
-            "seconds_per_example": seconds}
+            "seconds_per_example": seconds, "masked_methods": [name for name in masked
+                                                               if any(key[0] == name for key in totals)]}
 
 
 def _rows(totals: dict[tuple[str, float, str, str], dict[str, float]]) -> list[dict]:

@@ -13,7 +13,7 @@ import torch
 
 # Sums accumulated per (method, ratio, task[, tag]) over examples.
 SUM_KEYS = ("examples", "tokens", "nll", "kl", "answer_tokens", "answer_hits", "answer_nll", "answer_exact",
-            "kept_tokens", "context_tokens", "kv_bytes")
+            "kept_tokens", "context_tokens", "kv_bytes", "prefill_seconds")
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,8 @@ def finalize(task_kind: str, sums: dict[str, float], full: dict[str, float] | No
 
     ``task_kind``: ``ppl`` (perplexity, its increase over full %, KL), ``passkey`` (accuracy),
     ``span`` (token accuracy and NLL of the answer span). Every kind also reports kl, the mean
-    kept tokens per (layer, KV head) and the KV bytes held.
+    kept tokens per (layer, KV head), the KV bytes held and, where timed (the full cache and
+    kvpress's presses), the prefill's wall time per example.
     """
     metrics: dict[str, float] = {}
     if task_kind == "ppl":
@@ -102,4 +103,6 @@ def finalize(task_kind: str, sums: dict[str, float], full: dict[str, float] | No
     metrics["kept_tokens"] = _ratio(sums.get("kept_tokens", 0.0), sums.get("examples", 0.0))
     metrics["context_tokens"] = _ratio(sums.get("context_tokens", 0.0), sums.get("examples", 0.0))
     metrics["kv_bytes"] = _ratio(sums.get("kv_bytes", 0.0), sums.get("examples", 0.0))
+    if "prefill_seconds" in sums:
+        metrics["prefill_seconds"] = _ratio(sums["prefill_seconds"], sums.get("examples", 0.0))
     return metrics

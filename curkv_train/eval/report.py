@@ -14,7 +14,7 @@ from pathlib import Path
 from curkv_train.core.atomic import atomic_folder, write_atomic
 from curkv_train.eval.methods import CURKV, FULL
 
-BUDGET_METRICS = ("kept_tokens", "context_tokens", "kv_bytes")
+BUDGET_METRICS = ("kept_tokens", "context_tokens", "kv_bytes", "prefill_seconds")
 
 
 def _json_value(value):
