@@ -28,9 +28,11 @@ from curkv_train.eval.compressed import (
     continuation_logits,
     kept_tokens,
 )
-from curkv_train.eval.methods import FULL, ScoreFunction
-from curkv_train.eval.metrics import add_sums, continuation_sums, finalize
+from curkv_train.eval.aggregate import result_rows
+from curkv_train.eval.methods import CURKV, FULL, ScoreFunction
+from curkv_train.eval.metrics import ExampleSums, continuation_sums
 from curkv_train.eval.prefill import Prefill, prefill
+from curkv_train.eval.statistics import Bootstrap, summarize
 from curkv_train.eval.tasks import MAIN_METRIC, TASKS, TaskExample
 
 
@@ -46,6 +48,7 @@ class EvalSettings:
         kvpress: also run kvpress's own presses (rows ``kvpress:<name>``).
         kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
         max_batch: continuations of equal kept length run together, at most this many per forward.
+        resamples: bootstrap resamples of the examples behind every interval (seeded by ``seed``).
     """
 
     ratios: list[float]
@@ -56,6 +59,12 @@ class EvalSettings:
     kvpress: bool = False
     kvpress_budget: str = "matched"
     max_batch: int = 8
+    resamples: int = 2000
+
+    @property
+    def bootstrap(self) -> Bootstrap:
+        """The bootstrap of every interval and verdict (95 %, seeded by ``seed``)."""
+        return Bootstrap(resamples=self.resamples, seed=self.seed)
 
     def __post_init__(self) -> None:
         bad = [ratio for ratio in self.ratios if not 0.0 <= ratio < 1.0]
@@ -176,10 +185,6 @@ def _press_entries(model: PreTrainedModel, context_ids: torch.Tensor, continuati
     return entries
 
 
-def _tags(example: TaskExample) -> list[str]:
-    return [""] + [f"{key}={value}" for key, value in sorted(example.tags.items())]
-
-
 def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
              methods: dict[str, ScoreFunction | None], settings: EvalSettings,
              progress: Callable[[str], None] | None = None, tokenizer=None) -> dict:
@@ -192,14 +197,16 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
         tokenizer: the base model's tokenizer (kvpress's KVzip reads it).
 
     Returns:
-        {"rows": [{"method", "ratio", "task", "metrics"}], "main_metric": {task: metric},
-        "seconds_per_example": {task: float}}; metric ``m@key=value`` breaks a task's main
-        metric down by an example tag (passkey depth and length).
+        {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums"}]
+        (:mod:`curkv_train.eval.aggregate`), "summary": curkv against the best baseline per task and
+        ratio (:func:`curkv_train.eval.statistics.summarize`), "main_metric": {task: metric},
+        "seconds_per_example": {task: float}, "bootstrap": its settings, "masked_methods": the
+        kvpress rows whose memory was not freed}.
     """
     for task, task_examples in examples.items():
         for example in task_examples:
             settings.check_context(example.context_length, f"{task} context")
-    totals: dict[tuple[str, float, str, str], dict[str, float]] = {}
+    log = ExampleSums()
     seconds: dict[str, float] = {}
     number = 0
     for task, task_examples in examples.items():
@@ -208,28 +215,17 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
             tick = time.perf_counter()
             for method, ratio, sums in evaluate_example(model, example, methods, settings,
                                                         settings.seed * 1_000_003 + number, tokenizer):
-                for tag in _tags(example):
-                    add_sums(totals.setdefault((method, ratio, task, tag), {}), sums)
+                log.add(method, ratio, task, sums)
             number += 1
             if progress is not None:
                 progress(f"{task} {index + 1}/{len(task_examples)}: {time.perf_counter() - tick:.1f} s")
         seconds[task] = (time.perf_counter() - started) / max(1, len(task_examples))
+    main_metric = {task: MAIN_METRIC[TASKS[task][0]] for task in examples}
+    kinds = {task: TASKS[task][0] for task in examples}
+    tags = {task: [example.tags for example in task_examples] for task, task_examples in examples.items()}
+    rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL)
+    summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=CURKV, reference=FULL)
     masked = [kvpress_bridge.PREFIX + name for name in kvpress_bridge.masked_presses()] if settings.kvpress else []
-    return {"rows": _rows(totals), "main_metric": {task: MAIN_METRIC[TASKS[task][0]] for task in examples},
-            "seconds_per_example": seconds, "masked_methods": [name for name in masked
-                                                               if any(key[0] == name for key in totals)]}
-
-
-def _rows(totals: dict[tuple[str, float, str, str], dict[str, float]]) -> list[dict]:
-    rows: dict[tuple[str, float, str], dict] = {}
-    for (method, ratio, task, tag), sums in totals.items():
-        kind = TASKS[task][0]
-        metrics = finalize(kind, sums, totals.get((FULL, 0.0, task, tag)))
-        row = rows.setdefault((method, ratio, task), {"method": method, "ratio": ratio, "task": task, "metrics": {}})
-        if tag:
-            main = MAIN_METRIC[kind]
-            if main in metrics:
-                row["metrics"][f"{main}@{tag}"] = metrics[main]
-        else:
-            row["metrics"] = {**metrics, **row["metrics"]}
-    return list(rows.values())
+    return {"rows": rows, "summary": summary, "main_metric": main_metric, "seconds_per_example": seconds,
+            "bootstrap": settings.bootstrap.record(),
+            "masked_methods": [name for name in masked if any(row["method"] == name for row in rows)]}

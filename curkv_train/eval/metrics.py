@@ -1,15 +1,19 @@
-"""Per-token measures of a continuation and the task metrics built from their sums.
+"""Per-token measures of a continuation, their per-example sums, and the task metrics built from sums.
 
 The continuation's logits at position t predict its token t + 1, so a continuation of
 M tokens gives M − 1 scored predictions, and an answer span [start, end) (continuation
 coordinates, start ≥ 1) is predicted by the logits at [start − 1, end − 1).
+
+Every example's sums are kept (:class:`ExampleSums`), not only their totals, so a metric
+can be computed over any multiset of examples: :func:`finalize` takes sums that are
+numbers (one metric) or arrays (one metric per example, or per bootstrap resample).
 """
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
+from torchmetrics.aggregation import CatMetric
 
 # Sums accumulated per (method, ratio, task[, tag]) over examples.
 SUM_KEYS = ("examples", "tokens", "nll", "kl", "answer_tokens", "answer_hits", "answer_nll", "answer_exact",
@@ -34,9 +38,9 @@ def greedy_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1) == targets
 
 
-def perplexity(nll_sum: float, count: float) -> float:
-    """exp(mean NLL); NaN without predictions."""
-    return math.exp(nll_sum / count) if count else float("nan")
+def perplexity(nll_sum, count):
+    """exp(mean NLL); NaN without predictions. Numbers or arrays (elementwise)."""
+    return _number(np.exp(_ratio(nll_sum, count)))
 
 
 def continuation_sums(logits: torch.Tensor, reference_logits: torch.Tensor, continuation_ids: torch.Tensor,
@@ -68,18 +72,63 @@ def continuation_sums(logits: torch.Tensor, reference_logits: torch.Tensor, cont
     return sums
 
 
-def add_sums(total: dict[str, float], sums: dict[str, float]) -> None:
-    """Accumulate ``sums`` into ``total`` in place."""
-    for key, value in sums.items():
-        total[key] = total.get(key, 0.0) + value
+class ExampleSums:
+    """Every example's sums per (method, ratio, task), in example order (torchmetrics ``CatMetric`` cells).
+
+    Keys missing from an example's sums (answer keys of perplexity tasks) are stored as 0,
+    as :func:`finalize` reads them; :meth:`sums` returns only the keys some example had.
+    """
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[str, float, str], CatMetric] = {}
+        self.keys: dict[tuple[str, float, str], set[str]] = {}
+
+    def add(self, method: str, ratio: float, task: str, sums: dict[str, float]) -> None:
+        """Append one example's ``sums`` to cell (method, ratio, task)."""
+        unknown = set(sums) - set(SUM_KEYS)
+        if unknown:
+            raise ValueError(f"unknown sum keys {sorted(unknown)}; expected a subset of {SUM_KEYS}")
+        key = (method, ratio, task)
+        if key not in self.cells:
+            self.cells[key] = CatMetric(nan_strategy="disable")
+            self.cells[key].set_dtype(torch.float64)
+        row = torch.tensor([[float(sums.get(name, 0.0)) for name in SUM_KEYS]], dtype=torch.float64)
+        self.cells[key].update(row)
+        self.keys.setdefault(key, set()).update(sums)
+
+    def sums(self, method: str, ratio: float, task: str) -> dict[str, np.ndarray]:
+        """Key -> (examples,) float64 per-example sums of the cell (empty if it has none)."""
+        key = (method, ratio, task)
+        if key not in self.cells:
+            return {}
+        table = self.cells[key].compute().reshape(-1, len(SUM_KEYS)).numpy()
+        return {name: table[:, column] for column, name in enumerate(SUM_KEYS) if name in self.keys[key]}
 
 
-def _ratio(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator else float("nan")
+def total(sums: dict[str, np.ndarray], weights: np.ndarray | None = None) -> dict:
+    """Sums over examples: numbers, or with ``weights`` (resamples, examples) one total per resample."""
+    if weights is None:
+        return {key: float(np.sum(values)) for key, values in sums.items()}
+    return {key: weights @ values for key, values in sums.items()}
 
 
-def finalize(task_kind: str, sums: dict[str, float], full: dict[str, float] | None) -> dict[str, float]:
-    """Task metrics from accumulated ``sums`` (``full``: the full cache's sums of the same task, for % vs full).
+def _number(value):
+    """A 0-d result as a Python float; arrays unchanged."""
+    return float(value) if np.ndim(value) == 0 else value
+
+
+def _ratio(numerator, denominator):
+    """numerator / denominator, NaN where the denominator is 0; numbers or arrays."""
+    numerator, denominator = np.asarray(numerator, dtype=np.float64), np.asarray(denominator, dtype=np.float64)
+    safe = np.where(denominator != 0, denominator, 1.0)
+    return _number(np.where(denominator != 0, numerator / safe, np.nan))
+
+
+def finalize(task_kind: str, sums: dict, full: dict | None) -> dict:
+    """Task metrics from summed ``sums`` (``full``: the full cache's sums of the same examples, for % vs full).
+
+    Values may be numbers (the metric of those sums) or equal-length arrays (a metric per
+    entry: per example, or per bootstrap resample); metrics come back alike.
 
     ``task_kind``: ``ppl`` (perplexity, its increase over full %, KL), ``passkey`` (accuracy),
     ``span`` (token accuracy and NLL of the answer span). Every kind also reports kl, the mean
@@ -91,7 +140,7 @@ def finalize(task_kind: str, sums: dict[str, float], full: dict[str, float] | No
         metrics["ppl"] = perplexity(sums.get("nll", 0.0), sums.get("tokens", 0.0))
         if full is not None:
             reference = perplexity(full.get("nll", 0.0), full.get("tokens", 0.0))
-            metrics["ppl_increase_pct"] = 100.0 * (metrics["ppl"] / reference - 1.0)
+            metrics["ppl_increase_pct"] = _number(100.0 * (np.asarray(metrics["ppl"]) / reference - 1.0))
     elif task_kind == "passkey":
         metrics["accuracy"] = _ratio(sums.get("answer_exact", 0.0), sums.get("examples", 0.0))
     elif task_kind == "span":

@@ -1,7 +1,11 @@
 """A run directory: results.json, results.md, one PNG per task metric, TensorBoard scalars.
 
-Every file is written to a temporary name in the same folder and renamed into place,
-so a reader never sees a half-written result (the TensorBoard folder is swapped whole).
+results.md opens with curkv against the best baseline (paired bootstrap verdicts), then
+per task one method × compression-ratio table per quality metric with "value [low, high]"
+cells (95 % bootstrap intervals over examples), then the budget tables (kept tokens, bytes
+held, prefill time). Every file is written to a temporary name in the same folder and
+renamed into place, so a reader never sees a half-written result (the TensorBoard folder is
+swapped whole).
 """
 
 from __future__ import annotations
@@ -12,29 +16,40 @@ import re
 from pathlib import Path
 
 from curkv_train.core.atomic import atomic_folder, write_atomic
+from curkv_train.eval.aggregate import BUDGET_METRICS
 from curkv_train.eval.methods import CURKV, FULL
+from curkv_train.eval.statistics import LOWER_IS_BETTER
 
-BUDGET_METRICS = ("kept_tokens", "context_tokens", "kv_bytes", "prefill_seconds")
+BUDGET_TABLES = ("kept_tokens", "kv_bytes", "prefill_seconds")
+PRESS_PREFIX = "kvpress:"
 
 
 def _json_value(value):
+    """``value`` with NaN / inf (also inside lists and dicts) as None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {key: _json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
     return value
 
 
+_NUMBER_LIST = re.compile(r"\[\s*((?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*)\s*\]")
+
+
 def results_json(results: dict, config: dict) -> str:
-    """The results and the configuration that produced them as JSON (NaN / inf -> null)."""
-    rows = [{**row, "metrics": {key: _json_value(value) for key, value in row["metrics"].items()}}
-            for row in results["rows"]]
-    payload = {"config": config, "main_metric": results["main_metric"],
-               "seconds_per_example": results["seconds_per_example"], "rows": rows}
-    return json.dumps(payload, indent=2, sort_keys=False) + "\n"
+    """The results and the configuration that produced them as JSON (NaN / inf -> null, number lists on one line)."""
+    payload = {"config": config, **{key: value for key, value in results.items() if key != "rows"},
+               "rows": results["rows"]}
+    text = json.dumps(_json_value(payload), indent=2, sort_keys=False)
+    return _NUMBER_LIST.sub(lambda match: "[" + ", ".join(match.group(1).split()).replace(",,", ",") + "]",
+                            text) + "\n"
 
 
 def _methods(rows: list[dict]) -> list[str]:
     names = list(dict.fromkeys(row["method"] for row in rows))
-    return sorted(names, key=lambda name: (name != FULL, name.startswith("kvpress:"), names.index(name)))
+    return sorted(names, key=lambda name: (name != FULL, name.startswith(PRESS_PREFIX), names.index(name)))
 
 
 def _ratios(rows: list[dict]) -> list[float]:
@@ -42,13 +57,16 @@ def _ratios(rows: list[dict]) -> list[float]:
 
 
 def _lookup(rows: list[dict]) -> dict[tuple[str, float, str], dict]:
-    return {(row["method"], row["ratio"], row["task"]): row["metrics"] for row in rows}
+    return {(row["method"], row["ratio"], row["task"]): row for row in rows}
+
+
+def _row(table: dict, method: str, ratio: float, task: str) -> dict:
+    """The row of (method, ratio, task); the full cache has one row for every ratio."""
+    return table.get((FULL, 0.0, task) if method == FULL else (method, ratio, task), {})
 
 
 def _metric(table: dict, method: str, ratio: float, task: str, name: str) -> float | None:
-    """``name`` of (method, ratio, task); the full cache has one value for every ratio."""
-    key = (FULL, 0.0, task) if method == FULL else (method, ratio, task)
-    return table.get(key, {}).get(name)
+    return _row(table, method, ratio, task).get("metrics", {}).get(name)
 
 
 def task_metrics(rows: list[dict], task: str, main: str) -> list[str]:
@@ -58,47 +76,117 @@ def task_metrics(rows: list[dict], task: str, main: str) -> list[str]:
     return sorted(quality, key=lambda name: (name != main, "@" in name, quality.index(name)))
 
 
-def _cell(value: float | None, name: str) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _number(value: float | None, name: str, digits: int = 4) -> str:
+    if not _finite(value):
         return "–"
     if name == "kv_bytes":
         return f"{value / 2**20:.2f} MiB"
-    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
+    if name == "prefill_seconds":
+        return f"{value:.3g} s"
+    return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:.0f}"
 
 
-LOWER_IS_BETTER = {"ppl_increase_pct", "ppl", "kl", "nll"}
+def _cell(value: float | None, name: str, interval: list | None = None) -> str:
+    """``value [low, high]`` (or the value alone without an interval); bounds to 3 significant digits."""
+    text = _number(value, name)
+    if interval and _finite(value) and all(_finite(bound) for bound in interval):
+        text += f" [{_number(interval[0], name, 3)}, {_number(interval[1], name, 3)}]"
+    return text
+
+
+def _signed(value: float) -> str:
+    return f"{value:+.3g}"
 
 
 def curkv_summary(results: dict) -> list[str]:
-    """Markdown lines: per task and ratio, the trained scorer's main metric against the best other method.
-
-    Every compressing method other than ``curkv`` counts as a baseline, kvpress's own presses included.
-    """
-    rows = results["rows"]
-    if not any(row["method"] == CURKV for row in rows):
+    """Markdown lines: per task and ratio, the trained scorer against the best other method (results["summary"])."""
+    entries = results.get("summary") or []
+    if not entries:
         return []
-    table = _lookup(rows)
-    baselines = [name for name in _methods(rows) if name not in (FULL, CURKV)]
     lines = ["## Summary: curkv against the best baseline", "",
-             "| task | metric | ratio | curkv | best baseline | verdict |", "|---|---|---|---|---|---|"]
-    for task, main in results["main_metric"].items():
-        better = min if main in LOWER_IS_BETTER else max
-        for ratio in _ratios(rows):
-            ours = _metric(table, CURKV, ratio, task, main)
-            scored = [(value, name) for name in baselines
-                      if (value := _metric(table, name, ratio, task, main)) is not None]
-            if ours is None or not scored:
-                continue
-            best_value, best_name = better(scored)
-            verdict = "wins" if better(ours, best_value) == ours and ours != best_value else (
-                "ties" if ours == best_value else "loses")
-            lines.append(f"| {task} | {main} | {ratio:g} | {_cell(ours, main)} | {best_name} {_cell(best_value, main)} "
-                         f"| {verdict} |")
+             "| task | metric | ratio | curkv | best baseline | curkv − best | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for entry in entries:
+        name = entry["metric"]
+        difference = entry["difference_interval"]
+        delta = _signed(entry["difference"]) + (f" [{_signed(difference[0])}, {_signed(difference[1])}]"
+                                                if all(_finite(bound) for bound in difference) else "")
+        lines.append(f"| {entry['task']} | {name}{' (lower is better)' if name in LOWER_IS_BETTER else ''} "
+                     f"| {entry['ratio']:g} | {_cell(entry[CURKV], name, entry.get(f'{CURKV}_interval'))} "
+                     f"| {entry['baseline']} {_cell(entry['baseline_value'], name, entry.get('baseline_interval'))} "
+                     f"| {delta} | {entry['verdict']} |")
+    bootstrap = results.get("bootstrap", {})
+    lines += ["", f"Every compressing method but curkv is a candidate baseline (kvpress's presses included); the best "
+              f"is the best point estimate. \"wins\" / \"loses\": the paired {100 * bootstrap.get('confidence', 0.95):g} % "
+              f"bootstrap interval of curkv − best (the same examples resampled for both, "
+              f"{bootstrap.get('resamples', '?')} resamples) excludes 0 in curkv's favour / against it; otherwise a "
+              "tie within noise.", ""]
+    return lines
+
+
+def _notes(results: dict, config: dict) -> list[str]:
+    """What the tables cannot say: data split, intervals, masked presses, prefill costs."""
+    bootstrap = results.get("bootstrap", {})
+    lines = [f"Intervals: {100 * bootstrap.get('confidence', 0.95):g} % percentile bootstrap over examples "
+             f"({bootstrap.get('resamples', '?')} resamples, seed {bootstrap.get('seed', '?')}); each resample "
+             "recomputes the metric from its examples' sums (perplexity: the ratio of summed NLLs over summed "
+             "tokens, against the full cache's on the same examples)."]
+    data = config.get("data") or {}
+    for name, stream in (data.get("streams") or {}).items():
+        lines.append(f"Held-out {name}: `{stream['kind']}` documents of the validation split at val_fraction "
+                     f"{stream['val_fraction']:g} ({stream['origin']}), {stream['documents']} documents, "
+                     f"{stream['removed_tokens']} of {stream['validation_tokens']} tokens cut for sharing a "
+                     f"{stream['span']}-token span with the recipe's training split, {stream['pieces']} pieces left.")
+    masked = results.get("masked_methods") or []
+    if masked:
+        lines.append(f"{', '.join(f'`{name}`' for name in masked)} mask evicted keys instead of dropping them "
+                     "(kvpress's head-wise \"fake compression\"): kept_tokens counts the keys the continuation can "
+                     "attend to, but their memory is not freed (kv_bytes: what they hold, the full cache).")
+    lines += _prefill_note(results["rows"])
+    return [line for text in lines for line in (text, "")]
+
+
+def _prefill_note(rows: list[dict]) -> list[str]:
+    """The prefill time of each kvpress press against the plain prefill, measured in the same run."""
+    def mean_seconds(method: str) -> float | None:
+        values = [row["metrics"]["prefill_seconds"] for row in rows
+                  if row["method"] == method and _finite(row["metrics"].get("prefill_seconds"))]
+        return sum(values) / len(values) if values else None
+
+    plain = mean_seconds(FULL)
+    presses = {name: seconds for name in _methods(rows) if name.startswith(PRESS_PREFIX)
+               and (seconds := mean_seconds(name)) is not None}
+    if not plain or not presses:
+        return []
+    slowest = sorted(presses.items(), key=lambda item: -item[1])
+    listed = ", ".join(f"`{name}` {seconds:.3g} s ({seconds / plain:.1f}×)" for name, seconds in slowest)
+    return [f"Prefill time per example (mean over tasks and ratios, this machine): the plain prefill {plain:.3g} s; "
+            f"{listed}. KVzip's includes its context reconstruction (a second pass over the whole context)."]
+
+
+def _table(table: dict, methods: list[str], ratios: list[float], task: str, name: str,
+           with_intervals: bool) -> list[str]:
+    """A method × ratio table of metric ``name`` of ``task``."""
+    title = f"**{name}**" + (" (lower is better)" if name in LOWER_IS_BETTER else "")
+    lines = [title, "", "| method | " + " | ".join(f"{ratio:g}" for ratio in ratios) + " |",
+             "|---|" + "---|" * len(ratios)]
+    for method in methods:
+        cells = []
+        for ratio in ratios:
+            row = _row(table, method, ratio, task)
+            interval = row.get("intervals", {}).get(name) if with_intervals else None
+            cells.append(_cell(row.get("metrics", {}).get(name), name, interval))
+        if any(cell != "–" for cell in cells):
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
 def results_markdown(results: dict, config: dict) -> str:
-    """Per task, a table per metric (method × compression ratio), then the budget each method had."""
+    """The summary first; per task, a table per quality metric (method × ratio, "value [low, high]"), then budgets."""
     rows = results["rows"]
     table = _lookup(rows)
     ratios, methods = _ratios(rows), _methods(rows)
@@ -112,16 +200,14 @@ def results_markdown(results: dict, config: dict) -> str:
              f"{'matched to our budget' if config.get('kvpress_budget') == 'matched' else 'as given'} — "
              "the budget tables give the tokens and bytes each method actually held.", ""]
     lines += curkv_summary(results)
-    header = "| method | " + " | ".join(f"{ratio:g}" for ratio in ratios) + " |"
-    rule = "|---|" + "---|" * len(ratios)
+    lines += _notes(results, config)
     for task, main in results["main_metric"].items():
         lines += [f"## {task}", ""]
-        for name in task_metrics(rows, task, main) + ["kept_tokens", "kv_bytes"]:
-            lines += [f"**{name}**", "", header, rule]
-            for method in methods:
-                cells = [_cell(_metric(table, method, ratio, task, name), name) for ratio in ratios]
-                lines.append(f"| {method} | " + " | ".join(cells) + " |")
-            lines.append("")
+        for name in task_metrics(rows, task, main):
+            lines += _table(table, methods, ratios, task, name, with_intervals="@" not in name)
+        for name in BUDGET_TABLES:
+            if any(_finite(row["metrics"].get(name)) for row in rows if row["task"] == task):
+                lines += _table(table, methods, ratios, task, name, with_intervals=False)
     seconds = ", ".join(f"{task} {value:.1f} s" for task, value in results["seconds_per_example"].items())
     lines += [f"Wall time per example (all methods and ratios): {seconds}.", ""]
     return "\n".join(lines)
@@ -132,7 +218,8 @@ def _slug(text: str) -> str:
 
 
 def plot_pngs(results: dict) -> dict[str, bytes]:
-    """PNG bytes by file name ``<task>__<metric>.png``: metric vs compression ratio, a line per method."""
+    """PNG bytes by file name ``<task>__<metric>.png``: metric vs compression ratio, a line per method
+    (error bars: the bootstrap intervals)."""
     import io
 
     import matplotlib
@@ -153,11 +240,16 @@ def plot_pngs(results: dict) -> dict[str, bytes]:
                     if value is not None and math.isfinite(value):
                         axes.axhline(value, color="black", linestyle="--", linewidth=1, label=FULL)
                     continue
-                points = [(ratio, _metric(table, method, ratio, task, name)) for ratio in ratios]
-                points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]
+                points = [(ratio, _metric(table, method, ratio, task, name),
+                           _row(table, method, ratio, task).get("intervals", {}).get(name)) for ratio in ratios]
+                points = [(x, y, bounds) for x, y, bounds in points if _finite(y)]
                 if points:
-                    style = ":" if method.startswith("kvpress:") else "-"
-                    axes.plot(*zip(*points), style, marker="o", label=method)
+                    errors = [[y - bounds[0], bounds[1] - y] if bounds and all(map(_finite, bounds)) else [0.0, 0.0]
+                              for _, y, bounds in points]
+                    style = ":" if method.startswith(PRESS_PREFIX) else "-"
+                    axes.errorbar([x for x, _, _ in points], [y for _, y, _ in points],
+                                  yerr=[[max(0.0, e[0]) for e in errors], [max(0.0, e[1]) for e in errors]],
+                                  fmt=style, marker="o", capsize=2, label=method)
             axes.set_xlabel("compression ratio")
             axes.set_ylabel(name)
             axes.set_title(f"{task}: {name}")

@@ -57,21 +57,3 @@ def test_finalize_ppl_increase_accuracy_and_budget():
     assert passkey["accuracy"] == 0.75
     span = finalize("span", {"examples": 1, "answer_tokens": 8, "answer_hits": 6, "answer_nll": 4.0}, None)
     assert span["token_accuracy"] == 0.75 and span["nll"] == 0.5
-
-
-def test_curkv_summary_names_the_best_baseline_and_the_verdict():
-    from curkv_train.eval.report import curkv_summary
-
-    def row(method, ratio, task, value, name):
-        return {"method": method, "ratio": ratio, "task": task, "metrics": {name: value}}
-
-    results = {"main_metric": {"ppl_text": "ppl_increase_pct", "passkey": "accuracy"},
-               "rows": [row("full", 0.0, "ppl_text", 0.0, "ppl_increase_pct"),
-                        row("snapkv", 0.5, "ppl_text", 2.0, "ppl_increase_pct"),
-                        row("kvpress:snapkv", 0.5, "ppl_text", 1.5, "ppl_increase_pct"),
-                        row("curkv", 0.5, "ppl_text", 1.8, "ppl_increase_pct"),
-                        row("h2o", 0.5, "passkey", 0.5, "accuracy"),
-                        row("curkv", 0.5, "passkey", 0.75, "accuracy")]}
-    lines = curkv_summary(results)
-    assert "| ppl_text | ppl_increase_pct | 0.5 | 1.8 | kvpress:snapkv 1.5 | loses |" in lines
-    assert "| passkey | accuracy | 0.5 | 0.75 | h2o 0.5 | wins |" in lines

@@ -1,0 +1,158 @@
+"""Bootstrap intervals over examples, and the paired verdict of curkv against the best baseline.
+
+Examples are resampled with replacement (seeded; the same resamples for every method of
+a task, so differences are paired) and each metric is recomputed from the resampled
+examples' summed measures, as the point estimate is: perplexity increase is the ratio
+of summed NLLs (over summed tokens) to the full cache's on the same resample, accuracy
+the exact answers over the resampled examples, and so on. Intervals are percentile
+intervals of those resampled metrics.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from curkv_train.errors import CurKVError
+from curkv_train.eval.metrics import finalize, total
+
+LOWER_IS_BETTER = frozenset({"ppl_increase_pct", "ppl", "kl", "nll"})
+WINS, LOSES, TIES, TIES_AT_FULL = "wins", "loses", "ties (within noise)", "ties (both equal the full cache)"
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Percentile bootstrap over examples.
+
+    Attributes:
+        resamples: resamples of the examples.
+        confidence: coverage of the intervals.
+        seed: base seed; each task draws its own resamples from (seed, task).
+    """
+
+    resamples: int = 2000
+    confidence: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.resamples < 1 or not 0.0 < self.confidence < 1.0:
+            raise CurKVError(f"the bootstrap needs at least 1 resample and a confidence in (0, 1), got "
+                             f"{self.resamples} and {self.confidence}")
+
+    def weights(self, examples: int, task: str) -> np.ndarray:
+        """(resamples, examples) how often each example is drawn in each resample (same for every method of ``task``)."""
+        rng = np.random.default_rng([self.seed, zlib.crc32(task.encode())])
+        drawn = rng.integers(0, examples, size=(self.resamples, examples))
+        weights = np.zeros((self.resamples, examples))
+        np.add.at(weights, (np.arange(self.resamples)[:, None], drawn), 1.0)
+        return weights
+
+    def interval(self, samples: np.ndarray) -> tuple[float, float]:
+        """(low, high) percentile interval of ``samples`` (resamples,), NaN resamples ignored."""
+        finite = samples[np.isfinite(samples)]
+        if not len(finite):
+            return float("nan"), float("nan")
+        tail = (1.0 - self.confidence) / 2.0
+        low, high = np.quantile(finite, [tail, 1.0 - tail])
+        return float(low), float(high)
+
+    def record(self) -> dict:
+        """The settings, for results.json."""
+        return asdict(self)
+
+
+def metric_samples(kind: str, name: str, sums: dict[str, np.ndarray], full: dict[str, np.ndarray] | None,
+                   weights: np.ndarray) -> np.ndarray:
+    """(resamples,) metric ``name`` of each resample of the examples.
+
+    Args:
+        sums: key -> (examples,) per-example sums of the method.
+        full: the same for the full cache (the reference of perplexity increase), or None.
+        weights: (resamples, examples) from :meth:`Bootstrap.weights`.
+    """
+    resampled_full = total(full, weights) if full else None
+    return np.asarray(finalize(kind, total(sums, weights), resampled_full)[name], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """ours − theirs on the same examples: the point estimate and its paired bootstrap interval."""
+
+    point: float
+    low: float
+    high: float
+
+
+def paired_difference(kind: str, name: str, ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray],
+                      full: dict[str, np.ndarray] | None, weights: np.ndarray, bootstrap: Bootstrap) -> Difference:
+    """Metric ``name`` of ``ours`` minus that of ``theirs``, both over the same resamples of the same examples."""
+    point_full = total(full) if full else None
+    point = finalize(kind, total(ours), point_full)[name] - finalize(kind, total(theirs), point_full)[name]
+    samples = (metric_samples(kind, name, ours, full, weights) - metric_samples(kind, name, theirs, full, weights))
+    return Difference(float(point), *bootstrap.interval(samples))
+
+
+def verdict(difference: Difference, name: str, *, theirs_at_full: bool = False) -> str:
+    """``wins`` / ``loses`` where the interval of ours − theirs excludes 0 (in our favour / against us),
+    else a tie; equal to a baseline that already matches the full cache is a tie too."""
+    if difference.point == 0.0 and theirs_at_full:
+        return TIES_AT_FULL
+    sign = -1.0 if name in LOWER_IS_BETTER else 1.0
+    low, high = sorted((sign * difference.low, sign * difference.high))
+    if low > 0.0:
+        return WINS
+    if high < 0.0:
+        return LOSES
+    return TIES
+
+
+def example_sums(row: dict) -> dict[str, np.ndarray]:
+    """A results row's per-example sums as arrays (key -> (examples,))."""
+    return {key: np.asarray(values, dtype=np.float64) for key, values in row.get("example_sums", {}).items()}
+
+
+def _finite(value) -> bool:
+    return value is not None and bool(np.isfinite(value))
+
+
+def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, str], bootstrap: Bootstrap, *,
+              ours: str, reference: str) -> list[dict]:
+    """Per task and ratio: ``ours`` against the best other compressing method on the task's main metric.
+
+    The best baseline is the best point estimate among every method but ``ours`` and the
+    ``reference`` (the full cache), the first in method order among equals; the verdict reads the paired bootstrap interval of
+    ours − best on the same examples (:func:`verdict`).
+
+    Args:
+        rows: results rows with ``metrics``, ``intervals`` and ``example_sums``.
+        main_metric: task -> its main metric.
+        kinds: task -> metric kind (:func:`curkv_train.eval.metrics.finalize`).
+    """
+    table = {(row["method"], row["ratio"], row["task"]): row for row in rows}
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    entries = []
+    for task, name in main_metric.items():
+        full_row = table.get((reference, 0.0, task))
+        full = example_sums(full_row) if full_row else None
+        for ratio in sorted({row["ratio"] for row in rows if row["task"] == task and row["method"] != reference}):
+            mine = table.get((ours, ratio, task))
+            scored = [(row["metrics"][name], method) for method in methods if method not in (ours, reference)
+                      and (row := table.get((method, ratio, task))) and _finite(row["metrics"].get(name))]
+            if mine is None or not _finite(mine["metrics"].get(name)) or not scored:
+                continue
+            # the best point estimate; among equals the first in method order (our re-implementations first)
+            best_value, best = (min if name in LOWER_IS_BETTER else max)(scored, key=lambda scored: scored[0])
+            theirs = table[(best, ratio, task)]
+            sums = example_sums(mine)
+            weights = bootstrap.weights(len(next(iter(sums.values()))), task)
+            difference = paired_difference(kinds[task], name, sums, example_sums(theirs), full, weights, bootstrap)
+            at_full = full_row is not None and best_value == full_row["metrics"].get(name)
+            entries.append({"task": task, "metric": name, "ratio": ratio,
+                            ours: mine["metrics"][name], f"{ours}_interval": mine.get("intervals", {}).get(name),
+                            "baseline": best, "baseline_value": best_value,
+                            "baseline_interval": theirs.get("intervals", {}).get(name),
+                            "difference": difference.point, "difference_interval": [difference.low, difference.high],
+                            "verdict": verdict(difference, name, theirs_at_full=at_full)})
+    return entries
