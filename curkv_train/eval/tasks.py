@@ -134,18 +134,25 @@ def _rng(seed: int, task: str, index: int) -> random.Random:
     return random.Random(f"curkv-eval/{seed}/{task}/{index}")
 
 
-def _document_block(stream: np.ndarray, length: int, rng: random.Random) -> torch.Tensor:
-    if len(stream) < length:
-        raise CurKVError(f"the held-out stream has {len(stream)} tokens, fewer than one example of {length}; "
+def _block_starts(stream_length: int, length: int, examples: int, seed: int, task: str) -> list[int]:
+    """Start of each example's block of ``length`` tokens: disjoint blocks while the stream holds enough of
+    them (the bootstrap treats examples as independent), random offsets for the examples beyond that."""
+    if stream_length < length:
+        raise CurKVError(f"the held-out stream has {stream_length} tokens, fewer than one example of {length}; "
                          "lower --context-length / --continuation-length")
-    start = rng.randrange(0, len(stream) - length + 1)
-    return torch.from_numpy(stream[start : start + length].copy())
+    slots = stream_length // length
+    disjoint = random.Random(f"curkv-eval/{seed}/{task}/blocks").sample(range(slots), min(examples, slots))
+    extra = [_rng(seed, task, index).randrange(0, stream_length - length + 1) for index in range(slots, examples)]
+    return [slot * length for slot in disjoint] + extra
 
 
 def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.ndarray], *, context_length: int,
                    continuation_length: int, examples: int, seed: int, protected: tuple[int, int],
                    passkey_depths: list[float], passkey_lengths: list[int]) -> list[TaskExample]:
     """``examples`` examples of ``task``; passkey examples cycle over the (length, depth) grid.
+
+    Perplexity examples are disjoint blocks of the held-out stream as long as it holds
+    ``examples`` of them (:func:`_block_starts`).
 
     Args:
         streams: token streams by name (see :func:`load_streams`), or their tokens.
@@ -155,11 +162,13 @@ def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.nda
     stream = streams[stream_name]
     stream = stream.tokens if isinstance(stream, HeldOutText) else stream
     filler = stream.tolist() if kind != "ppl" else None
+    block = context_length + continuation_length
+    starts = _block_starts(len(stream), block, examples, seed, task) if kind == "ppl" else []
     built = []
     for index in range(examples):
         rng = _rng(seed, task, index)
         if kind == "ppl":
-            ids = _document_block(stream, context_length + continuation_length, rng)
+            ids = torch.from_numpy(stream[starts[index] : starts[index] + block].copy())
             built.append(TaskExample(task, ids[None], context_length))
         elif kind == "passkey":
             grid = [(length, depth) for length in passkey_lengths for depth in passkey_depths]

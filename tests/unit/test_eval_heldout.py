@@ -128,3 +128,19 @@ def test_no_eval_document_shares_a_span_with_the_shipped_recipes_training_split(
                                  if split_of(document["id"], source.val_fraction) == "val"],
                                 add_special_tokens=False)["input_ids"]]
     assert any(other_hashes(ids) & training for ids in raw)
+
+
+def test_perplexity_examples_are_disjoint_blocks_while_the_stream_holds_them():
+    from curkv_train.eval.tasks import build_examples
+
+    stream = np.arange(1000)
+    def starts(examples: int) -> list[int]:
+        built = build_examples("ppl_code", None, {"code": stream}, context_length=80, continuation_length=20,
+                               examples=examples, seed=0, protected=(4, 16), passkey_depths=[0.5],
+                               passkey_lengths=[80])
+        return [int(example.input_ids[0, 0]) for example in built]
+
+    ten = starts(10)
+    assert sorted(ten) == list(range(0, 1000, 100))  # all ten slots, in a seeded order
+    assert starts(10) == ten
+    assert len(starts(12)) == 12  # beyond the disjoint blocks: random offsets
