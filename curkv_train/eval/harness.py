@@ -49,6 +49,7 @@ class EvalSettings:
         kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
         max_batch: continuations of equal kept length run together, at most this many per forward.
         resamples: bootstrap resamples of the examples behind every interval (seeded by ``seed``).
+        bootstrap: the resulting :class:`Bootstrap` (derived, not an argument).
     """
 
     ratios: list[float]
@@ -60,11 +61,7 @@ class EvalSettings:
     kvpress_budget: str = "matched"
     max_batch: int = 8
     resamples: int = 2000
-
-    @property
-    def bootstrap(self) -> Bootstrap:
-        """The bootstrap of every interval and verdict (95 %, seeded by ``seed``)."""
-        return Bootstrap(resamples=self.resamples, seed=self.seed)
+    bootstrap: Bootstrap = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         bad = [ratio for ratio in self.ratios if not 0.0 <= ratio < 1.0]
@@ -73,6 +70,7 @@ class EvalSettings:
                              f"tokens), got {self.ratios}")
         if self.max_batch < 1:
             raise CurKVError(f"the continuation batch must be at least 1, got {self.max_batch}")
+        self.bootstrap = Bootstrap(resamples=self.resamples, seed=self.seed)  # 95 %, every interval and verdict
         if self.kvpress_budget not in kvpress_bridge.BUDGETS:
             raise CurKVError(f"unknown kvpress budget {self.kvpress_budget!r}; expected one of "
                              f"{', '.join(kvpress_bridge.BUDGETS)}")

@@ -61,8 +61,9 @@ def span_hashes(ids: np.ndarray, span: int = SPAN) -> np.ndarray:
 def training_hashes(tokenizer, sources: list[DocumentSource], span: int = SPAN) -> tuple[np.ndarray, list[str]]:
     """Sorted span hashes of the training split of every source, and the sources that could not be read.
 
-    A hub source that cannot be reached here is reported, not fatal: the evaluation text is
-    local (stdlib, pydoc) and the caller records what went unchecked.
+    A hub source that cannot be reached here, or a files source whose path is not on this
+    machine, is reported, not fatal: the evaluation text is local (stdlib, pydoc) and the
+    caller records what went unchecked.
     """
     from curkv_train.data.tokenized import token_stream
     from curkv_train.errors import EmptySplitError
@@ -74,9 +75,9 @@ def training_hashes(tokenizer, sources: list[DocumentSource], span: int = SPAN) 
         except EmptySplitError:
             continue
         except CurKVError:
-            if source.kind != "hub":
+            if source.kind not in ("hub", "files"):
                 raise
-            unchecked.append(f"hub:{source.name}")
+            unchecked.append(f"{source.kind}:{source.name or source.path}")
             continue
         parts.append(span_hashes(stream, span))
     return (np.sort(np.concatenate(parts)) if parts else np.empty(0, np.uint64)), unchecked

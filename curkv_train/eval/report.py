@@ -140,7 +140,9 @@ def _notes(results: dict, config: dict) -> list[str]:
         lines.append(f"Held-out {name}: `{stream['kind']}` documents of the validation split at val_fraction "
                      f"{stream['val_fraction']:g} ({stream['origin']}), {stream['documents']} documents, "
                      f"{stream['removed_tokens']} of {stream['validation_tokens']} tokens cut for sharing a "
-                     f"{stream['span']}-token span with the recipe's training split, {stream['pieces']} pieces left.")
+                     f"{stream['span']}-token span with the recipe's training split, {stream['pieces']} pieces left."
+                     + (f" Not checked against (unreadable here): {', '.join(stream['unchecked'])}."
+                        if stream.get("unchecked") else ""))
     masked = results.get("masked_methods") or []
     if masked:
         lines.append(f"{', '.join(f'`{name}`' for name in masked)} mask evicted keys instead of dropping them "
