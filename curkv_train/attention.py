@@ -17,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import scored_attention
+from curkv_train.kernels.reference import causal_key_mask
 from curkv_train.reconstruction import reconstruction_scores
 
 ATTENTION_NAME = "curkv"
@@ -73,23 +75,21 @@ def curkv_attention_forward(
     if attention_mask is not None:
         raise CurKVError("curkv attention does not support padded batches; use equal-length examples")
     layer = module.layer_idx
-    batch, kv_heads, num_keys = key.shape[0], key.shape[1], key.shape[2]
-    bias = torch.zeros(batch, kv_heads, num_keys, dtype=torch.float32, device=key.device)
-    if state is not None and state.mode == "scored":
-        context_bias = state.key_bias[layer]
-        bias = torch.cat([context_bias.to(key.device), bias[..., context_bias.shape[-1] :]], dim=-1)
-    # transformers passes mask=None for queries over a cache and relies on is_causal, which
-    # SDPA aligns top-left; the continuation needs bottom-right alignment.
-    out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=_backend(state))
-    if state is not None and state.mode == "reconstruct":
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        state.reconstruction[layer] = reconstruction_scores(module, query, key, value,
-                                                            min(state.context_length, num_keys), scale)
+    if state is None or state.mode != "scored":
+        # No bias: plain attention, bottom-right causal (transformers passes mask=None for queries over
+        # a cache and relies on is_causal, which SDPA aligns top-left).
+        visible = causal_key_mask(query.shape[2], key.shape[2], query.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=True)
+        if state is not None and state.mode == "reconstruct":
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            state.reconstruction[layer] = reconstruction_scores(module, query, key, value,
+                                                                min(state.context_length, key.shape[2]), scale)
+        return out.transpose(1, 2).contiguous(), None
+    context_bias = state.key_bias[layer].to(key.device)
+    zeros = torch.zeros(*key.shape[:2], key.shape[2] - context_bias.shape[-1], device=key.device)
+    bias = torch.cat([context_bias, zeros], dim=-1)
+    out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=state.backend)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _backend(state: CompressionState | None) -> str:
-    return "auto" if state is None else state.backend
 
 
 def register_attention() -> str:
