@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 from curkv_train.core.atomic import atomic_folder, write_atomic
@@ -153,21 +154,31 @@ def _notes(results: dict, config: dict) -> list[str]:
 
 
 def _prefill_note(rows: list[dict]) -> list[str]:
-    """The prefill time of each kvpress press against the plain prefill, measured in the same run."""
-    def mean_seconds(method: str) -> float | None:
-        values = [row["metrics"]["prefill_seconds"] for row in rows
-                  if row["method"] == method and _finite(row["metrics"].get("prefill_seconds"))]
-        return sum(values) / len(values) if values else None
+    """Each kvpress press's prefill time against the plain prefill of the same examples (same run, same machine).
 
-    plain = mean_seconds(FULL)
-    presses = {name: seconds for name in _methods(rows) if name.startswith(PRESS_PREFIX)
-               and (seconds := mean_seconds(name)) is not None}
-    if not plain or not presses:
+    Medians over examples (and tasks and ratios) of the per-example times and of the per-example
+    ratio to the plain prefill, so a stall of the machine during one example does not decide it.
+    """
+    plain = {row["task"]: row.get("example_sums", {}).get("prefill_seconds") or [] for row in rows
+             if row["method"] == FULL}
+    seconds: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        if not row["method"].startswith(PRESS_PREFIX):
+            continue
+        for index, value in enumerate(row.get("example_sums", {}).get("prefill_seconds") or []):
+            reference = plain.get(row["task"], [])
+            if _finite(value) and index < len(reference) and _finite(reference[index]) and reference[index] > 0:
+                seconds.setdefault(row["method"], []).append(value)
+                ratios.setdefault(row["method"], []).append(value / reference[index])
+    everything = [value for values in plain.values() for value in values if _finite(value)]
+    if not seconds or not everything:
         return []
-    slowest = sorted(presses.items(), key=lambda item: -item[1])
-    listed = ", ".join(f"`{name}` {seconds:.3g} s ({seconds / plain:.1f}×)" for name, seconds in slowest)
-    return [f"Prefill time per example (mean over tasks and ratios, this machine): the plain prefill {plain:.3g} s; "
-            f"{listed}. KVzip's includes its context reconstruction (a second pass over the whole context)."]
+    listed = ", ".join(f"`{name}` {statistics.median(seconds[name]):.3g} s ({statistics.median(ratios[name]):.1f}×)"
+                       for name in sorted(ratios, key=lambda name: -statistics.median(ratios[name])))
+    return [f"Prefill time per example (medians over examples, tasks and ratios; this machine): the plain prefill "
+            f"{statistics.median(everything):.3g} s; {listed} (× the plain prefill of the same example). KVzip's "
+            "includes its context reconstruction (a second pass over the whole context)."]
 
 
 def _table(table: dict, methods: list[str], ratios: list[float], task: str, name: str,
