@@ -121,8 +121,9 @@ def curkv_summary(results: dict) -> list[str]:
                      f"| {entry['baseline']} {_cell(entry['baseline_value'], name, entry.get('baseline_interval'))} "
                      f"| {delta} | {entry['verdict']} |")
     bootstrap = results.get("bootstrap", {})
+    confidence = 100 * bootstrap.get("confidence", 0.95)
     lines += ["", f"Every compressing method but curkv is a candidate baseline (kvpress's presses included); the best "
-              f"is the best point estimate. \"wins\" / \"loses\": the paired {100 * bootstrap.get('confidence', 0.95):g} % "
+              f"is the best point estimate. \"wins\" / \"loses\": the paired {confidence:g} % "
               f"bootstrap interval of curkv − best (the same examples resampled for both, "
               f"{bootstrap.get('resamples', '?')} resamples) excludes 0 in curkv's favour / against it; otherwise a "
               "tie within noise.", ""]

@@ -42,7 +42,10 @@ class Bootstrap:
                              f"{self.resamples} and {self.confidence}")
 
     def weights(self, examples: int, task: str) -> np.ndarray:
-        """(resamples, examples) how often each example is drawn in each resample (same for every method of ``task``)."""
+        """(resamples, examples) how often each example is drawn in each resample.
+
+        The same for every method of ``task``, so differences between methods are paired.
+        """
         rng = np.random.default_rng([self.seed, zlib.crc32(task.encode())])
         drawn = rng.integers(0, examples, size=(self.resamples, examples))
         weights = np.zeros((self.resamples, examples))
@@ -122,8 +125,8 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
     """Per task and ratio: ``ours`` against the best other compressing method on the task's main metric.
 
     The best baseline is the best point estimate among every method but ``ours`` and the
-    ``reference`` (the full cache), the first in method order among equals; the verdict reads the paired bootstrap interval of
-    ours − best on the same examples (:func:`verdict`).
+    ``reference`` (the full cache), the first in method order among equals; the verdict
+    reads the paired bootstrap interval of ours − best on the same examples (:func:`verdict`).
 
     Args:
         rows: results rows with ``metrics``, ``intervals`` and ``example_sums``.

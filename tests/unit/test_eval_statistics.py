@@ -100,10 +100,9 @@ def test_the_interval_contains_the_point_estimate(noisy_nll):
     assert 0 < low < high  # the examples vary: a real interval
     assert len(row["example_values"]["ppl_increase_pct"]) == EXAMPLES == len(row["example_sums"]["nll"])
     # perplexity increase is the ratio of summed NLLs, not the mean of per-example increases
-    sums = {key: np.asarray(values) for key, values in row["example_sums"].items()}
-    full = {key: np.asarray(values) for key, values in by_key(results)[("full", 0.0, "ppl_text")]["example_sums"].items()}
-    assert row["metrics"]["ppl_increase_pct"] == pytest.approx(
-        100 * (math.exp(sums["nll"].sum() / sums["tokens"].sum()) / math.exp(full["nll"].sum() / full["tokens"].sum()) - 1))
+    sums, full = row["example_sums"], by_key(results)[("full", 0.0, "ppl_text")]["example_sums"]
+    ppl, reference = (math.exp(sum(cell["nll"]) / sum(cell["tokens"])) for cell in (sums, full))
+    assert row["metrics"]["ppl_increase_pct"] == pytest.approx(100 * (ppl / reference - 1))
 
 
 def test_bootstrap_resamples_are_seeded_and_shared_by_a_task():
