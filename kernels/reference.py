@@ -11,6 +11,9 @@ from typing import Protocol, Sequence
 
 import torch
 
+# float32 exp underflows below about -87.3; denormal results are slow on CPU
+EXP_FLOOR = -87.0
+
 
 def causal_key_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
     """Bottom-right aligned causal mask: query i of M sees keys j <= i + N - M.
@@ -49,7 +52,7 @@ def scored_attention_probs(
     kv_heads, num_keys = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     compute = _compute_dtype(q)
-    queries = q.to(compute).reshape(batch, kv_heads, q_heads // kv_heads, num_queries, head_dim)
+    queries = q.to(compute).contiguous().reshape(batch, kv_heads, q_heads // kv_heads, num_queries, head_dim)
     logits = torch.einsum("bhgmd,bhnd->bhgmn", queries, k.to(compute)) * scale
     logits = logits + key_bias.to(compute)[:, :, None, None, :]
     if causal:
@@ -59,7 +62,10 @@ def scored_attention_probs(
     # keeps -inf logits from sending NaN gradients through amax.
     row_max = logits.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(logits - row_max)
+    # Shifted logits below float32's exp range become -inf: their weight would underflow anyway, and
+    # CPU exp takes a slow path (about 20x) on inputs that produce denormals.
+    shifted = logits - row_max
+    weights = torch.exp(shifted.masked_fill(shifted < EXP_FLOOR, float("-inf")))
     # A row with no visible finite logit has weights == 0 and gives 0. Dividing by 1
     # there, not by a tiny clamp, keeps its backward finite: g / tiny can overflow and
     # inf * exp(-inf) = NaN would leak into the q and key_bias gradients.
