@@ -75,11 +75,27 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
     if not isinstance(cache, CurKVCache):
         setattr(module, LAYER_ATTRIBUTE, None)
         return
+    check_unpadded(kwargs.get("attention_mask"))
     cache.observe(module.layer_idx, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
     layer = cache.layers[module.layer_idx]
     implementation = getattr(module.config, "_attn_implementation", None)
     layer.factored_attention = cache.factored_attention and is_factored(implementation)
     setattr(module, LAYER_ATTRIBUTE, weakref.ref(layer))
+
+
+def check_unpadded(attention_mask: torch.Tensor | None) -> None:
+    """A CurKVError when the model's 4D mask (batch, 1, queries, keys) hides a past key from a row's last query.
+
+    Without padding the last query of every row sees every key (causal); a padded (left- or
+    right-) batch hides its padding, which CurKVCache's per-head compaction cannot follow.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return
+    last = attention_mask[:, :, -1, :]
+    hidden = ~last if last.dtype == torch.bool else last < torch.finfo(last.dtype).min / 2
+    if bool(hidden.any()):
+        raise CurKVError("CurKVCache does not support padded batches (the attention mask hides tokens of a row); "
+                         "run one sequence per cache, or batch sequences of equal length without padding")
 
 
 def _eager_function(module: torch.nn.Module) -> AttentionFn:

@@ -225,3 +225,26 @@ def test_adaptive_keep_ratio_thresholds():
 
     assert [adaptive_keep_ratio(n) for n in (10, 1023, 1024, 4096, 4097)] == [1.0, 1.0, 0.5, 0.5, 0.3]
 
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_padded_batch_is_refused(scorer, implementation):
+    padded_model = load_base_model(TINY_RANDOM, attn_implementation=implementation)
+    ids = prompt(40).expand(2, -1).clone()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding on the second row
+    cache = CurKVCache(scorer, model=padded_model, keep_ratio=0.5, backend="torch")
+    with pytest.raises(CurKVError, match="padded batches"):
+        padded_model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False,
+                              pad_token_id=0)
+
+
+def test_a_chunk_longer_than_the_hot_tier_is_compressed_on_arrival(model, scorer):
+    """Documented behaviour: like a prefill, a long chunk's older tokens compete as soon as it arrives."""
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    with torch.no_grad():
+        model(prompt(100), past_key_values=cache)
+        model(prompt(400)[:, 100:], past_key_values=cache)  # 300 new tokens, hot tier 3 windows = 48
+    sizes = cache.tier_sizes(0)
+    assert sizes["seen"] == 400 and sizes["hot"] == 3 * WINDOW
+    assert cache.held_tokens(0) == N_SINK + 3 * WINDOW + sizes["warm"] < 400
