@@ -3,7 +3,7 @@
 Training capture, :class:`~curkv_train.runtime.CurKVCache` (after prefill and at every
 re-compression) and :class:`~curkv_train.runtime.CurKVPress` all call :func:`query_features`,
 so a scorer sees the same inputs wherever it runs. Per (batch, KV head, token j), from the
-layer's :class:`~curkv_train.core.observation.Observation` (the last W tokens' attention inputs,
+layer's :class:`~curkv_train.core.observation.Observation` (the last W tokens' pre-RoPE queries,
 and the moments of every query seen):
 
 - ``window_attention``: SnapKV's signal, the attention the window's queries (rotated to their
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation, QueryStatistics, attention_module, pre_rope_queries
+from curkv_train.core.observation import Observation, QueryStatistics, attention_module
 from curkv_train.core.rope import average_rotation, rotary_tables, rotate
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
@@ -47,7 +47,7 @@ def query_features(model: PreTrainedModel, layer: int, keys: torch.Tensor, value
         positions: (tokens,) absolute positions, or (batch, kv_heads, tokens) when each head
             holds its own tokens (a compressed cache).
         end: tokens seen so far (the next query's position).
-        observation: the layer's observation window (hidden states and positions).
+        observation: the layer's observation (window queries, their positions, query statistics).
         future_positions: positions after ``end`` the RoPE rotation is averaged over.
         pool_kernel: odd width of the window-attention pooling.
 
@@ -56,7 +56,7 @@ def query_features(model: PreTrainedModel, layer: int, keys: torch.Tensor, value
     """
     module = attention_module(model, layer)
     batch, kv_heads, tokens, dim = keys.shape
-    queries = pre_rope_queries(module, observation.hidden).float()
+    queries = observation.queries.float()
     group = queries.shape[1] // kv_heads
     keys = keys.float()
     scale = getattr(module, "scaling", dim**-0.5)

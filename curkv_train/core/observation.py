@@ -68,26 +68,25 @@ class Observation:
     """What a query-aware scorer reads of one layer besides K and V.
 
     Attributes:
-        hidden: (batch, W, hidden_size) attention inputs of the last W tokens seen (the observation window).
+        queries: (batch, heads, W, head_dim) pre-RoPE queries of the last W tokens seen (the
+            observation window).
         positions: (W,) their absolute positions.
         statistics: moments of the pre-RoPE queries of every token seen after the first few.
     """
 
-    hidden: torch.Tensor
+    queries: torch.Tensor
     positions: torch.Tensor
     statistics: QueryStatistics
 
     def last(self, count: int) -> "Observation":
         """The window cut to its last ``count`` tokens (the statistics are kept)."""
-        return Observation(self.hidden[:, -count:], self.positions[-count:], self.statistics)
+        return Observation(self.queries[:, :, -count:], self.positions[-count:], self.statistics)
 
 
-def observe_prefill(module: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor,
-                    skip: int) -> Observation:
-    """The observation of a prefill: attention inputs (batch, tokens, hidden_size) at ``positions`` (tokens,);
-    query statistics over the tokens at positions >= ``skip`` (the first tokens' queries are outliers)."""
-    counted = hidden[:, int((positions < skip).sum()):]
-    return Observation(hidden, positions, QueryStatistics.of(pre_rope_queries(module, counted)))
+def observe_queries(queries: torch.Tensor, positions: torch.Tensor, skip: int) -> Observation:
+    """The observation of a prefill from its pre-RoPE queries (batch, heads, tokens, head_dim) at ``positions``
+    (tokens,): statistics over the tokens at positions >= ``skip`` (the first tokens' queries are outliers)."""
+    return Observation(queries, positions, QueryStatistics.of(queries[:, :, int((positions < skip).sum()):]))
 
 
 def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:

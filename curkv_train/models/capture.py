@@ -19,7 +19,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.attention import CompressionState
-from curkv_train.core.observation import (HiddenRecorder, Observation, QueryStatistics, attention_module,
+from curkv_train.core.observation import (HiddenRecorder, Observation, attention_module, observe_queries,
                                           pre_rope_queries)
 from curkv_train.core.rope import key_view
 from curkv_train.models.estimator import EstimatorInputs
@@ -58,12 +58,11 @@ class ContextCapture:
         return self.cache.layers[layer].keys[:, :, : self.context_length]
 
     def observation(self, model: PreTrainedModel, layer: int, end: int, skip: int) -> Observation:
-        """What a query-aware scorer at position ``end`` reads of ``layer``: the attention inputs before
-        ``end`` and the statistics of their queries from position ``skip`` on (as the runtime accumulates them)."""
+        """What a query-aware scorer at position ``end`` reads of ``layer``: the queries before ``end``
+        and their statistics from position ``skip`` on (as the runtime accumulates them)."""
         if layer not in self._queries:
             self._queries[layer] = pre_rope_queries(attention_module(model, layer), self.hidden[layer]).float()
-        statistics = QueryStatistics.of(self._queries[layer][:, :, skip:end])
-        return Observation(self.hidden[layer][:, :end], self.positions[:end], statistics)
+        return observe_queries(self._queries[layer][:, :, :end], self.positions[:end], skip)
 
 
 @torch.no_grad()

@@ -4,11 +4,12 @@ Constructing a :class:`~curkv_train.runtime.cache.CurKVCache` for a model calls
 :func:`install_runtime_attention`, which (idempotently)
 
 - puts :func:`record_cache_layer` as a forward pre-hook on every decoder attention
-  module: before each call, when ``past_key_values`` is a CurKVCache, it hands the cache
-  the module's input hidden states (``CurKVCache.observe``: what query-aware and
-  hidden-state scorers read), records on the module the cache layer the call will use
-  (``None`` for any other cache), and tells that layer whether this call's attention is
-  factored;
+  module: before each call, when ``past_key_values`` is a CurKVCache, it records on the
+  module the cache layer the call will use (``None`` for any other cache), hands that layer
+  the module's input hidden states (scorers that score a token on arrival read them) and
+  tells it whether this call's attention is factored; and :func:`record_queries` as a
+  forward hook on the module's query projection, which hands the recorded layer the
+  pre-RoPE queries it projected (query-aware scorers read them);
 - when asked to (a cache with a cold tier), switches the model's attention implementation
   (``sdpa`` or ``eager``) to a wrapper registered under ``curkv_factored_<implementation>``,
   with the wrapped implementation's mask function (so masks are unchanged).
@@ -48,6 +49,7 @@ FACTORED_PREFIX = "curkv_factored_"
 WRAPPABLE = ("sdpa", "eager")
 LAYER_ATTRIBUTE = "curkv_cache_layer"
 HOOK_ATTRIBUTE = "curkv_pre_hook"
+ATTENTION_ATTRIBUTE = "curkv_attention_module"
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -76,11 +78,22 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
         setattr(module, LAYER_ATTRIBUTE, None)
         return
     check_unpadded(kwargs.get("attention_mask"))
-    cache.observe(module.layer_idx, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
     layer = cache.layers[module.layer_idx]
+    layer.observe_hidden(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
     implementation = getattr(module.config, "_attn_implementation", None)
     layer.factored_attention = cache.factored_attention and is_factored(implementation)
     setattr(module, LAYER_ATTRIBUTE, weakref.ref(layer))
+
+
+def record_queries(projection: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+    """Forward hook of an attention module's query projection (``q_norm`` if it has one, else ``q_proj``):
+    hands the layer recorded by :func:`record_cache_layer` the queries it just projected, pre-RoPE,
+    as (batch, heads, new, head_dim) — the statistics then cost no extra projection."""
+    attention = getattr(projection, ATTENTION_ATTRIBUTE)()
+    layer = None if attention is None else cache_layer_of(attention)
+    if layer is not None:
+        batch, tokens = output.shape[0], output.shape[1]
+        layer.observe_queries(output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2))
 
 
 def check_unpadded(attention_mask: torch.Tensor | None) -> None:
@@ -179,6 +192,9 @@ def install_runtime_attention(model: PreTrainedModel, factored: bool = True) -> 
     for module in attention_modules(model):
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(record_cache_layer, with_kwargs=True))
+            projection = getattr(module, "q_norm", None) or module.q_proj  # Qwen3 / Gemma3 normalise queries
+            setattr(projection, ATTENTION_ATTRIBUTE, weakref.ref(module))
+            projection.register_forward_hook(record_queries)
     implementation = model.config._attn_implementation
     if not factored:
         return False

@@ -48,7 +48,6 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from curkv_train.errors import CurKVError
-from curkv_train.core.observation import attention_module, pre_rope_queries
 from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, compress_kv, kept_count, select_kept
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
@@ -192,9 +191,13 @@ class CurKVLayer(CacheLayerMixin):
             self.token_scores = torch.zeros(key_states.shape[:2] + (0,), device=self.device)
         self.is_initialized = True
 
-    def observe(self, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
         """Record the attention inputs (batch, new, hidden_size) of the tokens the next update appends."""
-        self.observer.observe(hidden, self.seen)
+        self.observer.observe_hidden(hidden)
+
+    def observe_queries(self, queries: torch.Tensor) -> None:
+        """Record the pre-RoPE queries (batch, heads, new, head_dim) of the tokens the next update appends."""
+        self.observer.observe_queries(queries, self.seen)
 
     @property
     def cold_tokens(self) -> int:
@@ -460,15 +463,9 @@ class CurKVCache(Cache):
         """An empty observation buffer sized for the scorer's needs at ``layer``."""
         scorer = self.scorer
         arrival = functools.partial(scorer.token_scores, layer) if scorer.scores_on_arrival else None
-        if not scorer.observation_window:
-            return ObservationBuffer(0, arrival)
-        queries = functools.partial(pre_rope_queries, attention_module(self.model, layer))
-        return ObservationBuffer(scorer.observation_window, arrival, queries, scorer.estimator.statistics_skip)
+        skip = scorer.estimator.statistics_skip if scorer.observation_window else 0
+        return ObservationBuffer(scorer.observation_window, arrival, skip)
 
-    def observe(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
-        """Record layer ``layer_idx``'s attention inputs (batch, new, hidden_size) before its update
-        (called by the pre-hook of :func:`~curkv_train.runtime.attention.install_runtime_attention`)."""
-        self.layers[layer_idx].observe(hidden_states)
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
                observation, token_scores) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation, attention_module, observe_prefill
+from curkv_train.core.observation import Observation, attention_module, observe_queries, pre_rope_queries
 from curkv_train.core.rope import key_view
 from curkv_train.errors import CurKVError
 from curkv_train.models.estimator import EstimatorInputs
@@ -62,8 +62,8 @@ class Scorer:
         at ``positions`` (tokens,): :meth:`score_layer`'s ``observation`` and/or ``token_scores`` keywords."""
         extra = {}
         if self.observation_window:
-            extra["observation"] = observe_prefill(attention_module(model, layer), hidden_states, positions,
-                                                   self.estimator.statistics_skip)
+            queries = pre_rope_queries(attention_module(model, layer), hidden_states)
+            extra["observation"] = observe_queries(queries, positions, self.estimator.statistics_skip)
         if self.scores_on_arrival:
             extra["token_scores"] = self.token_scores(layer, hidden_states)
         return extra

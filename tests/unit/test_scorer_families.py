@@ -175,7 +175,7 @@ def test_family_round_trips_through_export(tmp_path):
 
 
 def test_observation_window_takes_the_last_tokens():
-    observation = Observation(torch.arange(10.0).view(1, 10, 1), torch.arange(5, 15), QueryStatistics())
+    observation = Observation(torch.arange(10.0).view(1, 1, 10, 1), torch.arange(5, 15), QueryStatistics())
     last = observation.last(3)
-    assert last.hidden.flatten().tolist() == [7.0, 8.0, 9.0] and last.positions.tolist() == [12, 13, 14]
+    assert last.queries.flatten().tolist() == [7.0, 8.0, 9.0] and last.positions.tolist() == [12, 13, 14]
     assert compressible_mask(10, 2, 3).sum() == 5
