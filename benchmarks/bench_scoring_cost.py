@@ -1,0 +1,123 @@
+"""What scoring costs at prefill: a CurKVCache prefill vs a plain DynamicCache prefill, in one process.
+
+Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
+       [--contexts 1024,4096] [--repeats 3] [--threads 2]
+
+``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
+that family (timing does not depend on the weights). For each context length: the median time
+of a plain prefill (DynamicCache), and of a prefill through CurKVCache (keep 0.5, no cold tier),
+split into what the cache adds: observing (the hooks' recording of queries / hidden states and
+the query statistics), scoring (features + estimator, ``CurKVCache._score``) and selecting
+(top-k and compaction, the rest of ``CurKVLayer._evict``). Prints each as a share of the plain
+prefill (target: scoring <= 5 %). Timing hooks live in this script; the library carries none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from curkv_train.core.shapes import kv_shape
+from curkv_train.models.base import load_base_model
+from curkv_train.models.estimators import build_estimator
+from curkv_train.runtime import CurKVCache, Scorer, load_scorer
+from curkv_train.runtime.cache import CurKVLayer
+
+TIMERS: dict[str, float] = defaultdict(float)
+
+
+def timed(name: str, method: Callable) -> Callable:
+    """``method`` adding its wall time to TIMERS[name]."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            TIMERS[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument() -> None:
+    """Time observation, scoring and eviction inside CurKVCache (this process only)."""
+    CurKVLayer.observe_queries = timed("observe", CurKVLayer.observe_queries)
+    CurKVLayer.observe_hidden = timed("observe", CurKVLayer.observe_hidden)
+    CurKVLayer._evict = timed("evict", CurKVLayer._evict)
+    CurKVCache._score = timed("score", CurKVCache._score)
+
+
+def make_scorer(spec: str, model) -> Scorer:
+    """A scorer from a folder / shipped name, or an untrained one for ``init:FAMILY``."""
+    if spec.startswith("init:"):
+        torch.manual_seed(0)
+        return Scorer(build_estimator(spec.removeprefix("init:"), kv_shape(model.config)).eval())
+    return load_scorer(spec, model=model)
+
+
+def median_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Median wall time of ``run()`` over ``repeats`` calls after one warm-up; TIMERS hold the last call's."""
+    run()
+    times = []
+    for _ in range(repeats):
+        TIMERS.clear()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
+    """Plain and CurKVCache prefill times and the cache's parts for one context length."""
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(ids, past_key_values=DynamicCache(config=model.config))
+
+    def cached() -> None:
+        with torch.no_grad():
+            model(ids, past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False))
+
+    plain_s = median_seconds(plain, repeats)
+    cached_s = median_seconds(cached, repeats)
+    parts = {"observe": TIMERS["observe"], "score": TIMERS["score"], "select": TIMERS["evict"] - TIMERS["score"]}
+    return {"context": context, "family": scorer.family, "plain_prefill_s": round(plain_s, 4),
+            "cache_prefill_s": round(cached_s, 4), **{f"{k}_s": round(v, 4) for k, v in parts.items()},
+            **{f"{k}_share": round(v / plain_s, 4) for k, v in parts.items()},
+            "overhead_share": round(cached_s / plain_s - 1, 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="embedded:smollm2-135m-instruct")
+    parser.add_argument("--scorer", default="smollm2-135m")
+    parser.add_argument("--contexts", default="1024,4096")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_base_model(args.base, attn_implementation="sdpa")
+    scorer = make_scorer(args.scorer, model)
+    instrument()
+    print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")
+    rows = []
+    for context in map(int, args.contexts.split(",")):
+        row = measure(model, scorer, context, args.repeats)
+        rows.append(row)
+        print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
+              f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "
+              f"{row['overhead_share']:>9.1%}")
+    print("shares are of the plain prefill; target: score <= 5 %")
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
