@@ -31,9 +31,8 @@ import functools
 import json
 import sysconfig
 import time
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -41,6 +40,7 @@ from transformers import DynamicCache
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime import CurKVCache, load_scorer
 from curkv_train.runtime.cache import CurKVLayer
+from timing import TIMERS, timed  # benchmarks/timing.py, beside this script
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "tiers": {},
@@ -52,22 +52,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 BASELINE = "dynamic"
 DENSE_ONLY = "dense-only"
-
-TIMERS: dict[str, float] = defaultdict(float)
-
-
-def timed(name: str, method: Callable) -> Callable:
-    """``method`` adding its wall time to TIMERS[name]."""
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            TIMERS[name] += time.perf_counter() - start
-
-    return wrapper
 
 
 def instrument() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -28,22 +27,7 @@ from curkv_train.models.base import load_base_model
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
 from curkv_train.runtime.cache import CurKVLayer
-
-TIMERS: dict[str, float] = defaultdict(float)
-
-
-def timed(name: str, method: Callable) -> Callable:
-    """``method`` adding its wall time to TIMERS[name]."""
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            TIMERS[name] += time.perf_counter() - start
-
-    return wrapper
-
+from timing import TIMERS, timed  # benchmarks/timing.py, beside this script
 
 def instrument() -> None:
     """Time observation, scoring and eviction inside CurKVCache (this process only)."""

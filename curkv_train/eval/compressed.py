@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.eval.prefill import Prefill
-from curkv_train.core.selection import compress_kv, expected_kept, select_kept
+from curkv_train.core.selection import compress_kv, select_kept
 
 
 def cache_from_layers(model: PreTrainedModel, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:

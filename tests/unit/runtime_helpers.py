@@ -1,22 +1,9 @@
-"""Shared pieces of the runtime tests: a single-threaded torch and a random scorer for the tiny Llama."""
-
-import contextlib
+"""Shared pieces of the runtime tests: random scorers for the tiny Llama."""
 
 import torch
 
 from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime import Scorer
-
-
-@contextlib.contextmanager
-def single_threaded():
-    """Tiny tensors: intra-op threads only add synchronisation (slow on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def random_scorer(n_sink: int = 4, window: int = 16, bias: float | None = None) -> Scorer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curkv_train.attention import CompressionState, patch_model
 from curkv_train.core.rope import rotary_tables, rotate_half
 from curkv_train.core.selection import expected_kept
 from curkv_train.eval.compressed import (

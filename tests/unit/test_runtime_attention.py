@@ -11,15 +11,12 @@ from curkv_train.core.observation import attention_modules
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import CurKVCache, cur
 from curkv_train.runtime.attention import HOOK_ATTRIBUTE, cache_layer_of
-from runtime_helpers import random_scorer, single_threaded
+from runtime_helpers import random_scorer
 
 WINDOW, N_SINK = 16, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    with single_threaded():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture

@@ -8,21 +8,13 @@ from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime import CurKVCache, Scorer
-from runtime_helpers import single_threaded, random_scorer
+from runtime_helpers import random_scorer
 
 WINDOW, N_SINK = 16, 4
 TIERS_OFF = {"hot": False, "cold": False}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    with single_threaded():
-        yield
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

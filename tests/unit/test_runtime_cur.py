@@ -4,13 +4,10 @@ import pytest
 import torch
 
 from curkv_train.runtime import cur
-from runtime_helpers import single_threaded
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    with single_threaded():
-        yield
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def decaying_matrix(tokens: int = 256, channels: int = 16, seed: int = 0) -> torch.Tensor:

@@ -7,16 +7,13 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.runtime import CurKVCache, Scorer
-from runtime_helpers import single_threaded, random_scorer
+from runtime_helpers import random_scorer
 
 SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    with single_threaded():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

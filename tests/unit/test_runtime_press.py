@@ -4,27 +4,19 @@ import pytest
 import torch
 from transformers import DynamicCache, pipeline
 
-from curkv_train.models.base import TINY_RANDOM, load_base_model, load_tokenizer
+from curkv_train.models.base import TINY_RANDOM, load_tokenizer
 from curkv_train.runtime import Scorer
 
 kvpress = pytest.importorskip("kvpress")
 from kvpress.utils import compute_n_kept  # noqa: E402
 
 from curkv_train.runtime import CurKVPress  # noqa: E402
-from runtime_helpers import random_scorer, single_threaded
+from runtime_helpers import random_scorer
 
 N_SINK, WINDOW = 4, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    with single_threaded():
-        yield
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,20 +16,12 @@ from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.capture import estimator_inputs, prefill_context
 from curkv_train.models.estimators import FAMILIES, build_estimator
 from curkv_train.runtime import CurKVCache
-from runtime_helpers import family_scorer, single_threaded
+from runtime_helpers import family_scorer
 
 CONTEXT = 120
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    with single_threaded():
-        yield
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

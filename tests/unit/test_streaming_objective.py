@@ -9,15 +9,12 @@ from curkv_train.models.capture import estimator_inputs, prefill_context
 from curkv_train.objective import TrainingSettings, streaming_ends, streaming_keep_bias
 from curkv_train.runtime import CurKVCache
 from curkv_train.system import CurKVModule
-from runtime_helpers import family_scorer, single_threaded
+from runtime_helpers import family_scorer
 
 N_SINK, WINDOW, HOT_WINDOWS, ROUNDS, CONTEXT = 4, 16, 2, 4, 160
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    with single_threaded():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("family", ["seed", "query_aware"])
