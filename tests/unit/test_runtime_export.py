@@ -153,3 +153,30 @@ def test_runtime_imports_without_kvpress():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "CurKVPress needs kvpress" in result.stdout
+
+
+@pytest.mark.parametrize("family", ["query_aware", "hidden"])
+def test_export_records_the_family_and_the_last_stage_settings(family, tmp_path, model):
+    """scorer.json holds the family and what the last step used (T, ρ), not the hyper-parameters' defaults."""
+    from dataclasses import asdict
+
+    from curkv_train.objective import TrainingSettings
+    from curkv_train.system import SETTINGS_KEY, CurKVModule
+
+    module = CurKVModule(base_model=TINY_RANDOM, window=16, estimator=family, keep_ratio=0.5, temperature=1.0)
+    module.configure_model()
+    last = TrainingSettings(keep_ratio=0.3, temperature=0.5, hard_topk=True)
+    state = {k: v for k, v in module.state_dict().items() if k.startswith(("estimator.", "budget."))}
+    stages = [{"steps": 4, "keep_ratio": [0.5, 0.3], "temperature": 0.5, "hard_topk": True}]
+    checkpoint = {"state_dict": state, "hyper_parameters": dict(module.hparams), "global_step": 4,
+                  SETTINGS_KEY: asdict(last), "callbacks": {"Curriculum": {"stages": stages, "stage_index": 0}}}
+    torch.save(checkpoint, tmp_path / "last.ckpt")
+    folder = export(tmp_path / "last.ckpt", tmp_path / "scorer")
+    record = json.loads((folder / CONFIG_FILE).read_text())
+    assert record["estimator"]["family"] == family
+    assert record["settings"]["temperature"] == 0.5 and record["settings"]["keep_ratio"] == 0.3
+    assert record["training"]["last_stage"] == stages[0]
+    scorer = load_scorer(folder, model=model)
+    assert scorer.family == family
+    for name, tensor in module.estimator.state_dict().items():
+        assert torch.equal(scorer.estimator.state_dict()[name], tensor)
