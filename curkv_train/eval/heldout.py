@@ -6,11 +6,20 @@ quote each other: pydoc topics nest (``compound`` holds the text of ``if``, ``wh
 is cut at every :data:`SPAN`-token span that also occurs in the training split of any document
 source of the recipe (a rolling hash over token ids); the remaining pieces, joined by EOS like
 documents, are the evaluation text.
+
+Besides the recipe's own sources, the evaluation reads :data:`PYTHON_TEXT` (``python_text``):
+long English prose files CPython ships next to its standard library (IDLE's news, history and
+notes, the licence), which no training source reads (``stdlib`` takes only ``.py`` files and
+skips ``idlelib``; ``pydoc`` is the reference topics). Every one of them is held out; the spans
+the training split shares are cut all the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -18,6 +27,10 @@ from curkv_train.data.corpora import documents, split_of
 from curkv_train.errors import CurKVError
 
 SPAN = 50
+PYTHON_TEXT = "python_text"
+# Prose files of CPython's standard-library folder that no training source reads (relative to its root).
+PYTHON_TEXT_FILES = ("idlelib/NEWS.txt", "idlelib/NEWS2x.txt", "idlelib/HISTORY.txt", "idlelib/README.txt",
+                     "idlelib/TODO.txt", "idlelib/extend.txt", "idlelib/CREDITS.txt", "LICENSE.txt")
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -109,58 +122,139 @@ def unseen_pieces(ids: np.ndarray, seen: np.ndarray, span: int = SPAN) -> list[n
     return [ids[start:stop] for start, stop in runs if stop - start >= span]
 
 
+@dataclass(frozen=True)
+class HeldOutDocument:
+    """One held-out document after cutting: its id and its pieces, each followed by EOS.
+
+    Attributes:
+        id: the document id (``stdlib/ipaddress.py``, ``python_text/idlelib/NEWS.txt``, ...).
+        tokens: (tokens,) int64 the pieces, each followed by EOS (empty when nothing was left).
+        pieces: pieces left after cutting.
+        original_tokens: tokens of the document before cutting.
+    """
+
+    id: str
+    tokens: np.ndarray
+    pieces: int
+    original_tokens: int
+
+
 @dataclass
 class HeldOutText:
     """One evaluation token stream and how it was made.
 
     Attributes:
         tokens: (tokens,) int64 the pieces, each followed by EOS.
-        kind: document source kind it reads.
-        val_fraction: the split it reads (the recipe's, or the default).
-        origin: ``scorer recipe`` or ``default``: where ``val_fraction`` came from.
+        kind: document source kind it reads (``a+b`` for a stream joined from several, see ``parts``).
+        val_fraction: the split it reads (the recipe's, or the default; 1.0 for ``python_text``: all held out).
+        origin: ``scorer recipe``, ``default`` or ``never trained``: where ``val_fraction`` came from.
         documents: validation documents read.
         pieces: pieces left after cutting.
         validation_tokens: tokens of the validation documents before cutting.
         removed_tokens: tokens cut (seen in training, or in pieces shorter than the span).
         unchecked: training sources that could not be read (hub sources offline).
+        document_ids: (tokens,) index into ``names`` of the document each token came from.
+        names: the ids of the documents read, in stream order.
+        parts: for a joined stream, the record of each stream it joins.
     """
 
     tokens: np.ndarray
     kind: str
-    val_fraction: float
+    val_fraction: float | None
     origin: str
     documents: int
     pieces: int
     validation_tokens: int
     removed_tokens: int
     unchecked: list[str]
+    document_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    names: list[str] = field(default_factory=list)
+    parts: list[dict] = field(default_factory=list)
 
     def record(self) -> dict:
-        """Everything but the tokens, for results.json."""
+        """Everything but the tokens, for results.json (``names``: the documents read)."""
         record = asdict(self)
-        record.pop("tokens")
+        for key in ("tokens", "document_ids"):
+            record.pop(key)
+        if not record["parts"]:
+            record.pop("parts")
         return {**record, "span": SPAN}
 
+    def documents_between(self, start: int, stop: int) -> list[str]:
+        """Ids of the documents tokens [start, stop) of the stream came from, in stream order."""
+        if not len(self.document_ids):
+            return []
+        return [self.names[index] for index in dict.fromkeys(self.document_ids[start:stop].tolist())]
 
-def validation_documents(tokenizer, source: DocumentSource) -> list[np.ndarray]:
-    """Token ids of every validation document of ``source`` (no special tokens), in document order."""
-    texts = [document["text"] for document in documents(source.kind, path=source.path, name=source.name,
-                                                         text_field=source.text_field, limit=source.limit)
-             if split_of(document["id"], source.val_fraction) == "val" and document["text"].strip()]
-    if not texts:
+
+def python_text_documents() -> Iterator[dict]:
+    """The :data:`PYTHON_TEXT_FILES` present here, as documents ``{"id": "python_text/<path>", "text"}``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for relative in PYTHON_TEXT_FILES:
+        path = root / relative
+        if path.is_file():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                yield {"id": f"{PYTHON_TEXT}/{relative}", "text": text}
+
+
+def _held_out_raw(source: DocumentSource) -> list[dict]:
+    """The documents of ``source`` outside its training split (every ``python_text`` document)."""
+    if source.kind == PYTHON_TEXT:
+        return list(python_text_documents())
+    return [document for document in documents(source.kind, path=source.path, name=source.name,
+                                                 text_field=source.text_field, limit=source.limit)
+            if split_of(document["id"], source.val_fraction) == "val"]
+
+
+def validation_documents(tokenizer, source: DocumentSource) -> list[tuple[str, np.ndarray]]:
+    """(id, token ids) of every validation document of ``source`` (no special tokens), in document order."""
+    raw = [document for document in _held_out_raw(source) if document["text"].strip()]
+    if not raw:
         raise CurKVError(f"data source {source.kind!r} has no validation documents at val_fraction "
                          f"{source.val_fraction}; nothing to evaluate on")
-    return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    encoded = tokenizer([document["text"] for document in raw], add_special_tokens=False)["input_ids"]
+    return [(document["id"], np.asarray(ids, dtype=np.int64)) for document, ids in zip(raw, encoded)]
+
+
+def held_out_documents(tokenizer, source: DocumentSource, seen: np.ndarray, span: int = SPAN) -> list[HeldOutDocument]:
+    """Every validation document of ``source`` with the spans in ``seen`` (:func:`training_hashes`) cut out."""
+    eos = np.asarray([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [], dtype=np.int64)
+    held = []
+    for name, ids in validation_documents(tokenizer, source):
+        pieces = unseen_pieces(ids, seen, span)
+        tokens = np.concatenate([part for piece in pieces for part in (piece, eos)]) if pieces else ids[:0]
+        held.append(HeldOutDocument(name, tokens, len(pieces), len(ids)))
+    return held
 
 
 def held_out_text(tokenizer, source: DocumentSource, seen: np.ndarray, unchecked: list[str], origin: str,
                   span: int = SPAN) -> HeldOutText:
     """The validation split of ``source`` with every span in ``seen`` (:func:`training_hashes`) cut out."""
-    docs = validation_documents(tokenizer, source)
-    pieces = [piece for ids in docs for piece in unseen_pieces(ids, seen, span)]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    tokens = np.concatenate([np.concatenate([piece, np.asarray(eos, dtype=np.int64)]) for piece in pieces]
-                            ) if pieces else np.empty(0, np.int64)
-    total = sum(len(ids) for ids in docs)
-    return HeldOutText(tokens, source.kind, source.val_fraction, origin, len(docs), len(pieces), total,
-                       total - sum(len(piece) for piece in pieces), unchecked)
+    docs = held_out_documents(tokenizer, source, seen, span)
+    kept = [doc for doc in docs if len(doc.tokens)]
+    tokens = np.concatenate([doc.tokens for doc in kept]) if kept else np.empty(0, np.int64)
+    owners = (np.concatenate([np.full(len(doc.tokens), index, np.int32) for index, doc in enumerate(kept)])
+              if kept else np.empty(0, np.int32))
+    total = sum(doc.original_tokens for doc in docs)
+    pieces = sum(doc.pieces for doc in docs)
+    removed = total - (len(tokens) - pieces * (1 if tokenizer.eos_token_id is not None else 0))
+    return HeldOutText(tokens, source.kind, source.val_fraction, origin, len(docs), pieces, total, removed,
+                       unchecked, owners, [doc.id for doc in kept])
+
+
+def join_texts(parts: list[HeldOutText]) -> HeldOutText:
+    """One stream of several, in order (``kind`` ``a+b``; each part's record kept in ``parts``)."""
+    if len(parts) == 1:
+        return parts[0]
+    names, owners, offset = [], [], 0
+    for part in parts:
+        names += part.names
+        owners.append(part.document_ids + offset)
+        offset += len(part.names)
+    unchecked = list(dict.fromkeys(name for part in parts for name in part.unchecked))
+    return HeldOutText(np.concatenate([part.tokens for part in parts]), "+".join(part.kind for part in parts), None,
+                       ", ".join(dict.fromkeys(part.origin for part in parts)), sum(part.documents for part in parts),
+                       sum(part.pieces for part in parts), sum(part.validation_tokens for part in parts),
+                       sum(part.removed_tokens for part in parts), unchecked, np.concatenate(owners), names,
+                       [part.record() for part in parts])

@@ -2,9 +2,10 @@
 
 Documents come from the validation split of the scorer's own recipe (its data sources'
 val_fraction; the split is a stable hash of the document id), with every span that also
-occurs in the recipe's training split cut out (:mod:`curkv_train.eval.heldout`); synthetic
-examples are drawn from string-seeded generators, a stream of seeds that training
-(integer seeds) never uses.
+occurs in the recipe's training split cut out (:mod:`curkv_train.eval.heldout`); the text
+perplexity task also reads CPython's long prose files no training source reads
+(``python_text``). Synthetic examples are drawn from string-seeded generators, a stream of
+seeds that training (integer seeds) never uses, over the pydoc filler.
 """
 
 from __future__ import annotations
@@ -17,19 +18,29 @@ import torch
 
 from curkv_train.data.synthetic import SYNTHETIC_TASKS, passkey, repeated_span
 from curkv_train.errors import CurKVError
-from curkv_train.eval.heldout import DocumentSource, HeldOutText, held_out_text, training_hashes
+from curkv_train.eval.heldout import (
+    PYTHON_TEXT,
+    DocumentSource,
+    HeldOutText,
+    held_out_text,
+    join_texts,
+    training_hashes,
+)
 
 # task -> (metric kind for curkv_train.eval.metrics.finalize, token stream it reads)
 TASKS = {
     "ppl_text": ("ppl", "text"),
     "ppl_code": ("ppl", "code"),
-    "passkey": ("passkey", "text"),
-    "repeated_span": ("span", "text"),
+    "passkey": ("passkey", "filler"),
+    "repeated_span": ("span", "filler"),
 }
-# stream -> the document source kind it reads
-STREAM_KINDS = {"text": "pydoc", "code": "stdlib"}
+# stream -> the document source kinds it reads, joined in this order
+STREAM_KINDS = {"text": ("pydoc", PYTHON_TEXT), "filler": ("pydoc",), "code": ("stdlib",)}
 # The data sources assumed without a scorer recipe (those of the shipped recipes).
 DEFAULT_SOURCES = (DocumentSource("stdlib", 0.1), DocumentSource("pydoc", 0.3))
+# Every python_text document is held out: no training source reads them.
+PYTHON_TEXT_SOURCE = DocumentSource(PYTHON_TEXT, 1.0)
+NEVER_TRAINED = "never trained"
 # The main metric of each task kind (plots and tables list every metric; this one leads).
 MAIN_METRIC = {"ppl": "ppl_increase_pct", "passkey": "accuracy", "span": "token_accuracy"}
 SPAN_CUE = 8
@@ -45,6 +56,7 @@ class TaskExample:
         context_length: tokens of the compressed context.
         answer: [start, end) answer span in continuation coordinates, or None (whole continuation).
         tags: breakdown labels, e.g. {"depth": "0.5", "length": "1024"}.
+        documents: ids of the held-out documents a perplexity example's tokens came from.
     """
 
     task: str
@@ -52,15 +64,16 @@ class TaskExample:
     context_length: int
     answer: tuple[int, int] | None = None
     tags: dict[str, str] = field(default_factory=dict)
+    documents: tuple[str, ...] = ()
 
 
-def check_tasks(names: list[str]) -> list[str]:
-    """``names`` without duplicates, or a CurKVError listing the valid task names."""
-    unknown = [name for name in names if name not in TASKS]
+def check_tasks(names: list[str], valid=TASKS) -> list[str]:
+    """``names`` without duplicates, or a CurKVError listing the ``valid`` task names."""
+    unknown = [name for name in names if name not in valid]
     if unknown:
-        raise CurKVError(f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: {', '.join(TASKS)}")
+        raise CurKVError(f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: {', '.join(valid)}")
     if not names:
-        raise CurKVError(f"no task selected; valid tasks: {', '.join(TASKS)}")
+        raise CurKVError(f"no task selected; valid tasks: {', '.join(valid)}")
     return list(dict.fromkeys(names))
 
 
@@ -85,13 +98,26 @@ class DataRecipe:
             return cls(DEFAULT_SOURCES, "default")
         return cls(tuple(dict.fromkeys(_document_source(entry) for entry in entries)), "scorer recipe")
 
+    @classmethod
+    def of_scorers(cls, metadata: list[dict]) -> "DataRecipe":
+        """Every source of the recipes of several scorers (each evaluation text is held out from all of them);
+        the default without any recipe."""
+        recipes = [cls.of_scorer(entry) for entry in metadata]
+        recorded = [recipe for recipe in recipes if recipe.origin != "default"]
+        if not recorded:
+            return cls(DEFAULT_SOURCES, "default")
+        return cls(tuple(dict.fromkeys(source for recipe in recorded for source in recipe.sources)),
+                   "scorer recipe" if len(recorded) == 1 else f"recipes of {len(recorded)} scorers")
+
     def source(self, kind: str) -> tuple[DocumentSource, str]:
         """The source the evaluation reads for ``kind`` and where its split came from.
 
         With several sources of one kind the smallest val_fraction wins: its validation
         split is held out from all of them. A kind the recipe never trained on reads the
-        default split.
+        default split; ``python_text`` is held out whole.
         """
+        if kind == PYTHON_TEXT:
+            return PYTHON_TEXT_SOURCE, NEVER_TRAINED
         mine = [source for source in self.sources if source.kind == kind]
         if mine:
             return min(mine, key=lambda source: source.val_fraction), self.origin
@@ -117,16 +143,26 @@ def _document_source(entry: dict) -> DocumentSource:
                           source.limit)
 
 
-def load_streams(tokenizer, tasks: list[str], recipe: DataRecipe | None = None) -> dict[str, HeldOutText]:
-    """Held-out token streams the ``tasks`` read: the validation split of the recipe's pydoc (text) and
-    stdlib (code) sources, every span seen in the recipe's training split cut out."""
+def load_streams(tokenizer, tasks: list[str], recipe: DataRecipe | None = None,
+                 training: tuple[np.ndarray, list[str]] | None = None) -> dict[str, HeldOutText]:
+    """Held-out token streams the ``tasks`` read, every span seen in the recipe's training split cut out:
+    ``text`` (the recipe's pydoc validation split, then every python_text file), ``filler`` (the pydoc
+    split alone, the synthetic tasks' filler) and ``code`` (the stdlib validation split).
+
+    Args:
+        training: :func:`training_hashes` of the recipe's sources, if already computed.
+    """
     recipe = recipe or DataRecipe(DEFAULT_SOURCES, "default")
     needed = {TASKS[task][1] for task in tasks}
-    seen, unchecked = training_hashes(tokenizer, list(recipe.sources))
+    seen, unchecked = training if training is not None else training_hashes(tokenizer, list(recipe.sources))
+    by_kind: dict[str, HeldOutText] = {}
     streams = {}
     for name in sorted(needed):
-        source, origin = recipe.source(STREAM_KINDS[name])
-        streams[name] = held_out_text(tokenizer, source, seen, unchecked, origin)
+        for kind in STREAM_KINDS[name]:
+            if kind not in by_kind:
+                source, origin = recipe.source(kind)
+                by_kind[kind] = held_out_text(tokenizer, source, seen, unchecked, origin)
+        streams[name] = join_texts([by_kind[kind] for kind in STREAM_KINDS[name]])
     return streams
 
 
@@ -159,8 +195,8 @@ def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.nda
         protected: (n_sink, window), spans the synthetic answers are placed outside of.
     """
     kind, stream_name = TASKS[task]
-    stream = streams[stream_name]
-    stream = stream.tokens if isinstance(stream, HeldOutText) else stream
+    held_out = streams[stream_name]
+    stream = held_out.tokens if isinstance(held_out, HeldOutText) else held_out
     filler = stream.tolist() if kind != "ppl" else None
     block = context_length + continuation_length
     starts = _block_starts(len(stream), block, examples, seed, task) if kind == "ppl" else []
@@ -169,7 +205,9 @@ def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.nda
         rng = _rng(seed, task, index)
         if kind == "ppl":
             ids = torch.from_numpy(stream[starts[index] : starts[index] + block].copy())
-            built.append(TaskExample(task, ids[None], context_length))
+            sources = (held_out.documents_between(starts[index], starts[index] + block)
+                       if isinstance(held_out, HeldOutText) else [])
+            built.append(TaskExample(task, ids[None], context_length, documents=tuple(sources)))
         elif kind == "passkey":
             grid = [(length, depth) for length in passkey_lengths for depth in passkey_depths]
             length, depth = grid[index % len(grid)]

@@ -114,14 +114,19 @@ def test_no_eval_document_shares_a_span_with_the_shipped_recipes_training_split(
                  if split_of(document["id"], source.val_fraction) == "train"]
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             training |= other_hashes(ids)
-    streams = load_streams(tokenizer, ["ppl_text", "ppl_code"], recipe)
+    streams = load_streams(tokenizer, ["ppl_text", "ppl_code", "passkey"], recipe)
     for name, stream in streams.items():
-        source, _ = recipe.source(STREAM_KINDS[name])
-        assert (stream.kind, stream.val_fraction) == (source.kind, source.val_fraction)
+        parts = stream.parts or [stream.record()]
+        assert [part["kind"] for part in parts] == list(STREAM_KINDS[name])
+        for part in parts:
+            source, _ = recipe.source(part["kind"])
+            assert (part["kind"], part["val_fraction"]) == (source.kind, source.val_fraction)
         pieces = np.split(stream.tokens, np.flatnonzero(stream.tokens == tokenizer.eos_token_id) + 1)
         assert len(stream.tokens) > 8 * (1024 + 128) // 2 and stream.pieces >= 10
         for piece in pieces:
             assert not other_hashes(piece[piece != tokenizer.eos_token_id]) & training, name
+    # the shipped verdict needs >= 32 disjoint text examples of 1024 + 128 tokens
+    assert len(streams["text"].tokens) >= 32 * (1024 + 128)
     # the check can fail: the validation documents themselves do quote the training split
     raw = [ids for source, _ in (recipe.source("pydoc"),)
            for ids in tokenizer([document["text"] for document in documents(source.kind)
