@@ -15,14 +15,50 @@ from typing import Literal
 import torch
 from jsonargparse.typing import register_type
 
+from curkv_train.core.shapes import text_config
 from curkv_train.errors import CurKVError
 from curkv_train.eval.harness import EvalSettings, evaluate
-from curkv_train.eval.methods import BASELINES, CURKV, FULL, build_methods
+from curkv_train.eval.heldout import training_hashes
+from curkv_train.eval.methods import (
+    BASELINES,
+    CURKV,
+    CURKV_CACHE,
+    FULL,
+    SCORER_METHODS,
+    build_methods,
+    check_methods,
+)
 from curkv_train.eval.report import write_run
-from curkv_train.eval.tasks import SPAN_CUE, TASKS, DataRecipe, build_examples, check_tasks, load_streams
+from curkv_train.eval.scorers import (
+    ScorerEntry,
+    build_scorers,
+    fresh_scorer,
+    load_trained,
+    parse_scorers,
+    scorer_base,
+)
+from curkv_train.eval.streaming import (
+    STREAM_TASKS,
+    StreamSettings,
+    check_memory,
+    evaluate_streaming,
+    load_stream_documents,
+    memory_settings,
+    stream_methods,
+)
+from curkv_train.eval.tasks import (
+    SPAN_CUE,
+    TASKS,
+    DataRecipe,
+    build_examples,
+    check_tasks,
+    load_streams,
+)
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.scorer import Scorer
-from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
+from curkv_train.runtime.serialization import check_scorer_fits
+
+ALL_TASKS = (*TASKS, *STREAM_TASKS)
 
 DEFAULT_BASE = "embedded:smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,18 +106,31 @@ def run_eval(
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     backend: Literal["auto", "torch", "triton"] = "auto",
     batch: int = 8,
+    stream_length: int = 6144,
+    stream_prefix: int = 1024,
+    stream_chunk: int = 64,
+    stream_documents: int = 4,
+    stream_segment: int = 512,
+    budget_tokens: IntList | None = None,
+    budget_bytes: IntList | None = None,
 ) -> Path:
     """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
 
     Args:
-        scorer: exported scorer folder (checkpoints/NAME, or the name of a shipped checkpoint) or
-            ``none`` for the baselines only.
+        scorer: exported scorer folder (checkpoints/NAME, or the name of a shipped checkpoint), ``none``
+            for the baselines only, or several comma-separated entries ``LABEL=SOURCE`` (rows
+            ``curkv:LABEL``; one entry may stay bare: rows ``curkv``), where SOURCE is a folder or
+            ``init:FAMILY`` (an untrained estimator of that family, seed 0). The first entry is the main
+            scorer: the summary is about it, and its base, recipe and spans are the run's defaults.
         base: base model (hub id, folder, ``embedded:NAME``, ``tiny-random-llama``); default: the
             scorer's base, or embedded SmolLM2-135M-Instruct without a scorer.
         ratios: compression ratios, comma-separated (0.7 drops 70 % of the compressible tokens).
-        tasks: comma-separated subset of ppl_text, ppl_code, passkey, repeated_span.
+        tasks: comma-separated subset of ppl_text, ppl_code, passkey, repeated_span (prefill tasks) and
+            stream_text, stream_code (streaming: long documents fed through each cache in chunks).
         methods: comma-separated subset of full, random, streaming_llm, h2o, snapkv, tova, knorm,
-            curdkv, expected_attention, curkv; default all (curkv only with a scorer).
+            curdkv, expected_attention, curkv, curkv_cache (the scorer through the runtime CurKVCache);
+            default all (curkv and curkv_cache only with a scorer). Prefill tasks only: the streaming
+            task runs its own methods.
         out: run directory.
         context_length: context tokens per example (compressed).
         continuation_length: continuation tokens per example (scored).
@@ -91,53 +140,110 @@ def run_eval(
         window: always-kept recent tokens; default the scorer's (else 64).
         passkey_depths: passkey needle depths, comma-separated, in [0, 1].
         passkey_lengths: passkey context lengths; default context_length / 2 and context_length.
-        kvpress: also run kvpress's own presses as ``kvpress:<name>`` rows (cross-check).
+        kvpress: also run kvpress's own presses as ``kvpress:<name>`` rows (cross-check); in the streaming
+            task, kvpress's DecodingPress over its ScorerPresses.
         kvpress_budget: ``matched`` (presses keep as many tokens as our path) or ``nominal``.
         dtype: base model dtype (float32, bfloat16, float16).
         backend: compaction kernel backend (auto, torch, triton).
         batch: continuations of equal cache length run together, at most this many per forward
             (memory: batch × continuation_length × vocabulary float32 logits).
+        stream_length: tokens per streamed document (prefix included).
+        stream_prefix: tokens prefilled at once; the streaming perplexity is over the tokens after them.
+        stream_chunk: tokens fed per step after the prefix (1 = token by token).
+        stream_documents: documents per streaming task, at most.
+        stream_segment: scored tokens per bootstrap unit of the streaming task.
+        budget_tokens: streaming task: also run every compressing method under a fixed budget of this
+            many tokens per (layer, KV head), comma-separated budgets (the runtime cache's max_tokens).
+        budget_bytes: streaming task: fixed budgets in bytes for the whole cache (max_bytes).
     """
     if dtype not in DTYPES:
         raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    task_names = check_tasks(list(tasks))
-    trained = None if scorer.lower() == "none" else load_scorer(scorer)
-    fallback = None if base else _scorer_fallback(trained)
-    base = base or _scorer_base(trained) or (DEFAULT_BASE if trained is None else None)
+    task_names = check_tasks(list(tasks), valid=ALL_TASKS)
+    prefill_tasks = [task for task in task_names if task in TASKS]
+    streaming_tasks = [task for task in task_names if task in STREAM_TASKS]
+    entries = parse_scorers(scorer)
+    trained = load_trained(entries)
+    main = entries[0] if entries else None
+    reference = trained.get(main.method) if main else None
+    reference = reference or next(iter(trained.values()), None)
+    fallback = None if base else _scorer_fallback(reference)
+    base = base or scorer_base(reference) or (DEFAULT_BASE if not trained else None)
     if base is None:
         raise CurKVError(f"scorer {scorer!r} does not record its base model; pass --base")
-    n_sink = n_sink if n_sink is not None else (trained.n_sink if trained else 4)
-    window = window if window is not None else (trained.window if trained else 64)
-    method_names = list(methods) if methods else [FULL, *BASELINES, *([CURKV] if trained else [])]
-    score_functions = build_methods(method_names, trained, n_sink=n_sink, window=window)
+    main_trained = trained.get(main.method) if main else None
+    n_sink = n_sink if n_sink is not None else (main_trained.n_sink if main_trained else 4)
+    window = window if window is not None else (main_trained.window if main_trained else 64)
+    method_names = check_methods(list(methods) if methods else [FULL, *BASELINES, *(SCORER_METHODS if entries else [])],
+                                 bool(entries))
     settings = EvalSettings(list(ratios), n_sink=n_sink, window=window, seed=seed, backend=backend,
                             kvpress=kvpress, kvpress_budget=kvpress_budget, max_batch=batch)
     lengths = list(passkey_lengths) if passkey_lengths else _default_passkey_lengths(context_length, settings)
-    _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths), task_names)
+    if prefill_tasks:
+        _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths),
+                      prefill_tasks)
+    stream = None
+    if streaming_tasks:
+        stream = StreamSettings(memory_settings(list(ratios), budget_tokens, budget_bytes), prefix=stream_prefix,
+                                chunk=stream_chunk, segment=stream_segment, backend=backend, kvpress=kvpress,
+                                seed=seed)
+        stream.check_length(stream_length, None)
+        if stream_documents < 1:
+            raise CurKVError(f"--stream_documents must be at least 1, got {stream_documents}")
 
     model = load_base_model(base, fallback=fallback, dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(base, fallback=fallback)
-    if trained is not None:
-        check_scorer_fits(trained, model)
-    recipe = DataRecipe.of_scorer(trained.metadata if trained is not None else None)
-    streams = load_streams(tokenizer, task_names, recipe)
+    scorers = build_scorers(entries, trained, model, base)
+    for loaded in scorers.values():
+        check_scorer_fits(loaded, model)
+    carrier = (scorers[main.method] if main else fresh_scorer("seed", model, base)) if stream is not None else None
+    if stream is not None:
+        stream.check_length(stream_length, getattr(text_config(model.config), "max_position_embeddings", None))
+        check_memory(model, scorers, carrier, stream)
+    recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
+    training = training_hashes(tokenizer, list(recipe.sources))
+    progress = lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True)
+    streams = load_streams(tokenizer, prefill_tasks, recipe, training) if prefill_tasks else {}
     task_examples = {task: build_examples(task, tokenizer, streams, context_length=context_length,
                                           continuation_length=continuation_length, examples=examples, seed=seed,
                                           protected=(n_sink, window), passkey_depths=list(passkey_depths),
                                           passkey_lengths=lengths)
-                     for task in task_names}
-    results = evaluate(model, task_examples, score_functions, settings,
-                       progress=lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True),
-                       tokenizer=tokenizer)
-    config = {"scorer": scorer, "base": base, "ratios": list(ratios), "tasks": task_names,
-              "methods": list(score_functions), "context_length": context_length,
+                     for task in prefill_tasks}
+    score_functions = build_methods([name for name in method_names if name != CURKV_CACHE], scorers,
+                                    n_sink=n_sink, window=window)
+    cache_methods = ({entry.suffixed(CURKV_CACHE): scorers[entry.method] for entry in entries}
+                     if CURKV_CACHE in method_names else {})
+    ours = main.method if main else CURKV
+    not_baselines = tuple(name for name in [*scorers, *cache_methods] if name != ours)
+    results = evaluate(model, task_examples, score_functions, settings, progress=progress, tokenizer=tokenizer,
+                       cache_methods=cache_methods, ours=ours, not_baselines=not_baselines)
+    if stream is not None:
+        sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in streaming_tasks}
+        documents = load_stream_documents(tokenizer, streaming_tasks, sources, training[0], length=stream_length,
+                                          count=stream_documents)
+        stream_rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
+        results["streaming"] = evaluate_streaming(model, documents, stream_rows, stream, skipped, progress=progress,
+                                                  main=main.method if main else None)
+        results["streaming"]["length"] = stream_length
+    config = {"scorer": scorer, "scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
+              "base": base, "ratios": list(ratios), "tasks": task_names,
+              "methods": [*score_functions, *cache_methods], "context_length": context_length,
               "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,
               "window": window, "passkey_depths": list(passkey_depths), "passkey_lengths": lengths,
               "kvpress": kvpress, "kvpress_budget": kvpress_budget, "dtype": dtype, "backend": backend, "batch": batch,
+              "stream": {"length": stream_length, "prefix": stream_prefix, "chunk": stream_chunk,
+                         "documents": stream_documents, "segment": stream_segment,
+                         "budget_tokens": list(budget_tokens or []), "budget_bytes": list(budget_bytes or [])}
+              if streaming_tasks else None,
               "torch": torch.__version__, "python": platform.python_version(),
               "data": {"recipe": recipe.origin, "sources": recipe.record(),
-                       "streams": {name: stream.record() for name, stream in streams.items()}}}
+                       "streams": {name: held.record() for name, held in streams.items()}}}
     return write_run(out, results, config)
+
+
+def _describe(entry: ScorerEntry, scorer: Scorer) -> dict:
+    """What results.json records of one scorer: its source, family and spans."""
+    return {"source": entry.source, "family": scorer.family, "n_sink": scorer.n_sink, "window": scorer.window,
+            "trained": entry.family is None}
 
 
 def _default_passkey_lengths(context_length: int, settings: EvalSettings) -> list[int]:
@@ -162,14 +268,6 @@ def _check_shapes(settings: EvalSettings, context_length: int, continuation_leng
             settings.check_context(length, "passkey context")
         if not passkey_depths or any(not 0.0 <= depth <= 1.0 for depth in passkey_depths):
             raise CurKVError(f"--passkey-depths must lie in [0, 1], got {passkey_depths}")
-
-
-def _scorer_base(scorer: Scorer | None) -> str | None:
-    """The base model id a scorer records (``base_model`` may be an id or ``{"id": ..., "fingerprint": ...}``)."""
-    if scorer is None:
-        return None
-    base = scorer.metadata.get("base_model")
-    return (base.get("id") if isinstance(base, dict) else base) or None
 
 
 def _scorer_fallback(scorer: Scorer | None) -> str | None:

@@ -7,6 +7,10 @@ ratio select, compact, build the compressed cache and run the continuation again
 kvpress presses (optional) prefill under the press, then continue the same way; a
 press that masks keys instead of dropping them continues right after its own prefill,
 while its masks are on the model, and the masks are cleared before anything else runs.
+``curkv_cache`` rows run a trained scorer through the runtime CurKVCache at its defaults:
+the context prefilled into the cache at the ratio's keep ratio, then the continuation fed
+a window at a time through the same cache, which keeps compressing as at run time (fed a
+window at a time, it compresses exactly when token-by-token generation would).
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from curkv_train.eval.compressed import (
     kept_tokens,
 )
 from curkv_train.eval.aggregate import result_rows
+from curkv_train.eval.cached import feed_chunks, held_bytes, held_tokens, prefill_cache
 from curkv_train.eval.methods import CURKV, FULL, ScoreFunction
+from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.scorer import Scorer
 from curkv_train.eval.metrics import ExampleSums, continuation_sums
 from curkv_train.eval.prefill import Prefill, prefill
 from curkv_train.eval.statistics import Bootstrap, summarize
@@ -109,13 +116,35 @@ class _Entry:
     sums: dict[str, float] = field(default_factory=dict)
 
 
+def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: torch.Tensor,
+                         continuation_ids: torch.Tensor, keep_ratio: float,
+                         backend: str = "auto") -> tuple[torch.Tensor, dict[str, float]]:
+    """Continuation logits (1, M, vocab) through a CurKVCache at its defaults, and its budget after the prefill.
+
+    The context is prefilled into the cache (compressed at ``keep_ratio`` on arrival), then the
+    continuation is fed ``window`` tokens at a time through the same cache, which compresses again
+    whenever a window has piled up, as during generation.
+    """
+    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, backend=backend)
+    prefill_cache(model, cache, context_ids)
+    budget = {"kept_tokens": held_tokens(cache), "context_tokens": float(context_ids.shape[1]),
+              "kv_bytes": float(held_bytes(cache))}
+    parts: list[torch.Tensor] = []
+    feed_chunks(model, cache, continuation_ids, context_ids.shape[1], cache.settings.window,
+                lambda start, stop, logits: parts.append(logits))
+    return torch.cat(parts, dim=1), budget
+
+
 @torch.no_grad()
 def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, ScoreFunction | None],
-                     settings: EvalSettings, seed: int, tokenizer=None) -> list[tuple[str, float, dict[str, float]]]:
+                     settings: EvalSettings, seed: int, tokenizer=None,
+                     cache_methods: dict[str, Scorer] | None = None) -> list[tuple[str, float, dict[str, float]]]:
     """(method, ratio, sums) for every method and ratio on one example.
 
     The full cache is the reference of every KL and perplexity increase, so its row
     (``full``, at ratio 0) is always there. ``tokenizer`` is read by kvpress's KVzip only.
+    ``cache_methods`` (method name -> scorer) run through the runtime CurKVCache
+    (:func:`runtime_cache_logits`).
     """
     device = next(model.parameters()).device
     ids = example.input_ids.to(device)
@@ -142,6 +171,10 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
             cache = compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
                                      keep_ratio=1.0 - ratio, backend=settings.backend)
             entries.append(_Entry(name, cache, _budget(cache, length)))
+        for name, scorer in (cache_methods or {}).items():
+            logits, budget = runtime_cache_logits(model, scorer, context_ids, continuation_ids, 1.0 - ratio,
+                                                  settings.backend)
+            entries.append(_Entry(name, None, budget, measure(logits)))
         if settings.kvpress:
             entries += _press_entries(model, context_ids, continuation_ids, ratio, settings, seed, tokenizer, measure)
         pending = [entry for entry in entries if entry.cache is not None]
@@ -185,7 +218,9 @@ def _press_entries(model: PreTrainedModel, context_ids: torch.Tensor, continuati
 
 def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
              methods: dict[str, ScoreFunction | None], settings: EvalSettings,
-             progress: Callable[[str], None] | None = None, tokenizer=None) -> dict:
+             progress: Callable[[str], None] | None = None, tokenizer=None,
+             cache_methods: dict[str, Scorer] | None = None, ours: str = CURKV,
+             not_baselines: tuple[str, ...] = ()) -> dict:
     """Run every method on every example and aggregate.
 
     Args:
@@ -193,13 +228,17 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
         methods: method name -> score function (``full`` -> None).
         progress: called with one line per finished example.
         tokenizer: the base model's tokenizer (kvpress's KVzip reads it).
+        cache_methods: method name -> trained scorer run through the runtime CurKVCache (``curkv_cache``).
+        ours: the method the summary's verdict is about (the main scorer's bare selection).
+        not_baselines: further methods that are not baselines (other scorers, runtime-cache rows).
 
     Returns:
         {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums"}]
-        (:mod:`curkv_train.eval.aggregate`), "summary": curkv against the best baseline per task and
+        (:mod:`curkv_train.eval.aggregate`), "summary": ``ours`` against the best baseline per task and
         ratio (:func:`curkv_train.eval.statistics.summarize`), "main_metric": {task: metric},
         "seconds_per_example": {task: float}, "bootstrap": its settings, "masked_methods": the
-        kvpress rows whose memory was not freed}.
+        kvpress rows whose memory was not freed, "documents": per perplexity task, the held-out
+        documents each example came from}.
     """
     for task, task_examples in examples.items():
         for example in task_examples:
@@ -212,7 +251,8 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
         for index, example in enumerate(task_examples):
             tick = time.perf_counter()
             for method, ratio, sums in evaluate_example(model, example, methods, settings,
-                                                        settings.seed * 1_000_003 + number, tokenizer):
+                                                        settings.seed * 1_000_003 + number, tokenizer,
+                                                        cache_methods):
                 log.add(method, ratio, task, sums)
             number += 1
             if progress is not None:
@@ -222,8 +262,12 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     kinds = {task: TASKS[task][0] for task in examples}
     tags = {task: [example.tags for example in task_examples] for task, task_examples in examples.items()}
     rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL)
-    summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=CURKV, reference=FULL)
+    summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL,
+                        exclude=not_baselines)
     masked = [kvpress_bridge.PREFIX + name for name in kvpress_bridge.masked_presses()] if settings.kvpress else []
     return {"rows": rows, "summary": summary, "main_metric": main_metric, "seconds_per_example": seconds,
             "bootstrap": settings.bootstrap.record(),
-            "masked_methods": [name for name in masked if any(row["method"] == name for row in rows)]}
+            "masked_methods": [name for name in masked if any(row["method"] == name for row in rows)],
+            "documents": {task: [list(example.documents) for example in task_examples]
+                          for task, task_examples in examples.items()
+                          if any(example.documents for example in task_examples)}}

@@ -3,7 +3,9 @@
 results.md opens with curkv against the best baseline (paired bootstrap verdicts), then
 per task one method × compression-ratio table per quality metric with "value [low, high]"
 cells (95 % bootstrap intervals over examples), then the budget tables (kept tokens, bytes
-held, prefill time). Every file is written to a temporary name in the same folder and
+held, prefill time), then the streaming task (:mod:`curkv_train.eval.streaming`): per
+document kind, method × memory-setting tables of the perplexity increase and the bytes held,
+and a plot of quality against bytes held. Every file is written to a temporary name in the same folder and
 renamed into place, so a reader never sees a half-written result (the TensorBoard folder is
 swapped whole).
 """
@@ -18,8 +20,9 @@ from pathlib import Path
 
 from curkv_train.core.atomic import atomic_folder, write_atomic
 from curkv_train.eval.aggregate import BUDGET_METRICS
-from curkv_train.eval.methods import CURKV, FULL
+from curkv_train.eval.methods import CURKV, CURKV_CACHE, FULL
 from curkv_train.eval.statistics import LOWER_IS_BETTER
+from curkv_train.eval.streaming_report import streaming_markdown, streaming_pngs
 
 BUDGET_TABLES = ("kept_tokens", "kv_bytes", "prefill_seconds")
 PRESS_PREFIX = "kvpress:"
@@ -108,8 +111,9 @@ def curkv_summary(results: dict) -> list[str]:
     entries = results.get("summary") or []
     if not entries:
         return []
-    lines = ["## Summary: curkv against the best baseline", "",
-             "| task | metric | ratio | curkv | best baseline | curkv − best | verdict |",
+    ours = entries[0].get("method", CURKV)
+    lines = [f"## Summary: {ours} against the best baseline", "",
+             f"| task | metric | ratio | {ours} | best baseline | {ours} − best | verdict |",
              "|---|---|---|---|---|---|---|"]
     for entry in entries:
         name = entry["metric"]
@@ -117,14 +121,14 @@ def curkv_summary(results: dict) -> list[str]:
         delta = _signed(entry["difference"]) + (f" [{_signed(difference[0])}, {_signed(difference[1])}]"
                                                 if all(_finite(bound) for bound in difference) else "")
         lines.append(f"| {entry['task']} | {name}{' (lower is better)' if name in LOWER_IS_BETTER else ''} "
-                     f"| {entry['ratio']:g} | {_cell(entry[CURKV], name, entry.get(f'{CURKV}_interval'))} "
+                     f"| {entry['ratio']:g} | {_cell(entry[ours], name, entry.get(f'{ours}_interval'))} "
                      f"| {entry['baseline']} {_cell(entry['baseline_value'], name, entry.get('baseline_interval'))} "
                      f"| {delta} | {entry['verdict']} |")
     bootstrap = results.get("bootstrap", {})
     confidence = 100 * bootstrap.get("confidence", 0.95)
-    lines += ["", f"Every compressing method but curkv is a candidate baseline (kvpress's presses included); the best "
-              f"is the best point estimate. \"wins\" / \"loses\": the paired {confidence:g} % "
-              f"bootstrap interval of curkv − best (the same examples resampled for both, "
+    lines += ["", f"Every compressing method but the scorers' own rows is a candidate baseline (kvpress's presses "
+              f"included); the best is the best point estimate. \"wins\" / \"loses\": the paired {confidence:g} % "
+              f"bootstrap interval of {ours} − best (the same examples resampled for both, "
               f"{bootstrap.get('resamples', '?')} resamples) excludes 0 in curkv's favour / against it; otherwise a "
               "tie within noise.", ""]
     return lines
@@ -139,12 +143,22 @@ def _notes(results: dict, config: dict) -> list[str]:
              "tokens, against the full cache's on the same examples)."]
     data = config.get("data") or {}
     for name, stream in (data.get("streams") or {}).items():
-        lines.append(f"Held-out {name}: `{stream['kind']}` documents of the validation split at val_fraction "
-                     f"{stream['val_fraction']:g} ({stream['origin']}), {stream['documents']} documents, "
-                     f"{stream['removed_tokens']} of {stream['validation_tokens']} tokens cut for sharing a "
-                     f"{stream['span']}-token span with the recipe's training split, {stream['pieces']} pieces left."
+        parts = [_stream_part(part) for part in stream.get("parts") or [stream]]
+        lines.append(f"Held-out {name}: " + "; then ".join(parts) + "."
                      + (f" Not checked against (unreadable here): {', '.join(stream['unchecked'])}."
                         if stream.get("unchecked") else ""))
+    scorers = config.get("scorers") or {}
+    if len(scorers) > 1 or any(not entry.get("trained", True) for entry in scorers.values()):
+        lines.append("Scorers: " + "; ".join(
+            f"`{name}` {entry['source']} ({entry['family']}{'' if entry.get('trained', True) else ', untrained'}, "
+            f"sinks {entry['n_sink']}, window {entry['window']})" for name, entry in scorers.items())
+            + ". The summary's verdict is about the first; the others' rows are not candidate baselines.")
+    if any(row["method"].startswith(CURKV_CACHE) for row in results["rows"]):
+        lines.append(f"`{CURKV_CACHE}` rows run the scorer through the runtime `CurKVCache` at its defaults: the "
+                     "context prefilled into the cache at the column's keep ratio, then the continuation fed a window "
+                     "at a time through the same cache, which keeps compressing as during generation. Its hot tier "
+                     "(3 windows) is protected besides the sinks, so it holds more tokens than the bare selection "
+                     "at the same ratio, and its cold tier holds them in fewer bytes: read the budget tables.")
     masked = results.get("masked_methods") or []
     if masked:
         lines.append(f"{', '.join(f'`{name}`' for name in masked)} mask evicted keys instead of dropping them "
@@ -152,6 +166,15 @@ def _notes(results: dict, config: dict) -> list[str]:
                      "attend to, but their memory is not freed (kv_bytes: what they hold, the full cache).")
     lines += _prefill_note(results["rows"])
     return [line for text in lines for line in (text, "")]
+
+
+def _stream_part(stream: dict) -> str:
+    """One held-out source of a stream, in words."""
+    split = ("every document (no training source reads them)" if stream.get("origin") == "never trained" else
+             f"the validation split at val_fraction {stream['val_fraction']:g} ({stream['origin']})")
+    return (f"`{stream['kind']}` documents, {split}, {stream['documents']} documents, {stream['removed_tokens']} of "
+            f"{stream['validation_tokens']} tokens cut for sharing a {stream['span']}-token span with the recipe's "
+            f"training split, {stream['pieces']} pieces left")
 
 
 def _prefill_note(rows: list[dict]) -> list[str]:
@@ -223,7 +246,10 @@ def results_markdown(results: dict, config: dict) -> str:
             if any(_finite(row["metrics"].get(name)) for row in rows if row["task"] == task):
                 lines += _table(table, methods, ratios, task, name, with_intervals=False)
     seconds = ", ".join(f"{task} {value:.1f} s" for task, value in results["seconds_per_example"].items())
-    lines += [f"Wall time per example (all methods and ratios): {seconds}.", ""]
+    if seconds:
+        lines += [f"Wall time per example (all methods and ratios): {seconds}.", ""]
+    if results.get("streaming"):
+        lines += streaming_markdown(results["streaming"])
     return "\n".join(lines)
 
 
@@ -306,7 +332,10 @@ def write_run(run_dir: str | Path, results: dict, config: dict) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "results.json", results_json(results, config))
     write_atomic(run_dir / "results.md", results_markdown(results, config))
-    for name, png in plot_pngs(results).items():
+    pngs = plot_pngs(results)
+    if results.get("streaming"):
+        pngs.update(streaming_pngs(results["streaming"]))
+    for name, png in pngs.items():
         write_atomic(run_dir / "plots" / name, png)
     write_tensorboard(run_dir / "tensorboard", results)
     return run_dir

@@ -11,6 +11,7 @@ intervals of those resampled metrics.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -121,17 +122,23 @@ def _finite(value) -> bool:
 
 
 def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, str], bootstrap: Bootstrap, *,
-              ours: str, reference: str) -> list[dict]:
+              ours: str, reference: str, exclude: Collection[str] = ()) -> list[dict]:
     """Per task and ratio: ``ours`` against the best other compressing method on the task's main metric.
 
-    The best baseline is the best point estimate among every method but ``ours`` and the
-    ``reference`` (the full cache), the first in method order among equals; the verdict
-    reads the paired bootstrap interval of ours − best on the same examples (:func:`verdict`).
+    The best baseline is the best point estimate among every method but ``ours``, the
+    ``reference`` (the full cache) and ``exclude`` (other scorers' rows), the first in method
+    order among equals; the verdict reads the paired bootstrap interval of ours − best on the
+    same examples (:func:`verdict`).
 
     Args:
         rows: results rows with ``metrics``, ``intervals`` and ``example_sums``.
         main_metric: task -> its main metric.
         kinds: task -> metric kind (:func:`curkv_train.eval.metrics.finalize`).
+        exclude: methods that are not baselines (further scorers, the scorer's runtime-cache rows).
+
+    Returns:
+        per (task, ratio) an entry with ``method`` (= ``ours``), its value under the key ``ours``,
+        the best baseline, the paired difference and the verdict.
     """
     table = {(row["method"], row["ratio"], row["task"]): row for row in rows}
     methods = list(dict.fromkeys(row["method"] for row in rows))
@@ -141,7 +148,8 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
         full = example_sums(full_row) if full_row else None
         for ratio in sorted({row["ratio"] for row in rows if row["task"] == task and row["method"] != reference}):
             mine = table.get((ours, ratio, task))
-            scored = [(row["metrics"][name], method) for method in methods if method not in (ours, reference)
+            scored = [(row["metrics"][name], method) for method in methods
+                      if method not in (ours, reference) and method not in exclude
                       and (row := table.get((method, ratio, task))) and _finite(row["metrics"].get(name))]
             if mine is None or not _finite(mine["metrics"].get(name)) or not scored:
                 continue
@@ -152,7 +160,7 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
             weights = bootstrap.weights(len(next(iter(sums.values()))), task)
             difference = paired_difference(kinds[task], name, sums, example_sums(theirs), full, weights, bootstrap)
             at_full = full_row is not None and best_value == full_row["metrics"].get(name)
-            entries.append({"task": task, "metric": name, "ratio": ratio,
+            entries.append({"task": task, "metric": name, "ratio": ratio, "method": ours,
                             ours: mine["metrics"][name], f"{ours}_interval": mine.get("intervals", {}).get(name),
                             "baseline": best, "baseline_value": best_value,
                             "baseline_interval": theirs.get("intervals", {}).get(name),

@@ -51,8 +51,11 @@ def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
         main = results["main_metric"][task]
         full = rows[("full", 0.0, task)]
         for ratio in (0.3, 0.7):
-            budgets = {rows[(method, ratio, task)]["kept_tokens"] for method in METHODS if method != "full"}
+            budgets = {rows[(method, ratio, task)]["kept_tokens"] for method in METHODS
+                       if method not in ("full", "curkv_cache")}
             assert len(budgets) == 1 and budgets.pop() < full["kept_tokens"]  # one budget for every method
+            # the runtime cache protects its hot tier too: more tokens than the bare selection, fewer than all
+            assert rows[("curkv", ratio, task)]["kept_tokens"] < rows[("curkv_cache", ratio, task)]["kept_tokens"]
             for method in METHODS[1:]:
                 metrics = rows[(method, ratio, task)]
                 assert metrics[main] is not None and math.isfinite(metrics[main])
@@ -72,7 +75,7 @@ def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--tasks", "ppl_text,bogus"], "valid tasks: " + ", ".join(TASKS)),
+        (["--tasks", "ppl_text,bogus"], "valid tasks: " + ", ".join([*TASKS, "stream_text", "stream_code"])),
         (["--methods", "full,bogus"], "valid methods: " + ", ".join(METHODS)),
         (["--methods", "curkv"], "needs a trained scorer"),
         (["--context_length", "60"], "must exceed n_sink + window (4 + 64)"),
@@ -139,3 +142,52 @@ def test_options_come_from_run_eval_signature():
     namespace = parser.parse_args(["--scorer", "none", "--context_length", "64", "--kvpress", "true", "--ratios=0.5"])
     assert namespace.context_length == 64 and namespace.kvpress is True and namespace.ratios == [0.5]
     assert parser.parse_args(["--scorer", "x"]).kvpress is False
+
+
+def test_several_scorers_each_get_rows_and_the_first_gets_the_verdict(tmp_path, capsys):
+    """``--scorer main=PATH,fresh=init:query_aware``: rows curkv:main, curkv:fresh and their runtime-cache rows;
+    the summary is about curkv:main, and no scorer row is its baseline."""
+    scorer = export_scorer(tmp_path / "scorer")
+    code, err = run_cli(["--scorer", f"main={scorer},fresh=init:query_aware", "--tasks", "ppl_text",
+                         "--methods", "full,streaming_llm,knorm,curkv,curkv_cache", "--ratios", "0.0,0.5",
+                         "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 0, err
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    rows = {(row["method"], row["ratio"]): row["metrics"] for row in results["rows"]}
+    assert {method for method, _ in rows} == {"full", "streaming_llm", "knorm", "curkv:main", "curkv:fresh",
+                                              "curkv_cache:main", "curkv_cache:fresh"}
+    assert results["config"]["scorers"]["curkv:fresh"] == {"source": "init:query_aware", "family": "query_aware",
+                                                           "n_sink": 4, "window": 64, "trained": False}
+    for entry in results["summary"]:
+        assert entry["method"] == "curkv:main" and not entry["baseline"].startswith("curkv")
+    for name in ("curkv_cache:main", "curkv_cache:fresh"):
+        assert rows[(name, 0.5)]["kv_bytes"] > 0 and rows[(name, 0.5)]["kept_tokens"] > 0
+        assert abs(rows[(name, 0.0)]["ppl_increase_pct"]) < 1e-3  # keep 1.0 through the runtime cache: the full cache
+    assert "Summary: curkv:main against the best baseline" in (tmp_path / "run" / "results.md").read_text()
+    assert all(documents for documents in results["documents"]["ppl_text"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("init:nonsense", "unknown estimator family 'nonsense'"),
+        ("a=init:seed,a=init:hidden", "same name: labels ['curkv:a']"),
+        ("init:seed,init:hidden", "bare paths"),
+        ("none,init:seed", "cannot be combined"),
+        ("=init:seed", "is empty"),
+        ("a b=init:seed", "may hold only letters"),
+    ],
+)
+def test_bad_scorer_entries_are_one_line(spec, message, capsys):
+    code, err = run_cli(["--scorer", spec, "--base", TINY_RANDOM], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_scorers_of_different_bases_are_refused(tmp_path, capsys):
+    good = export_scorer(tmp_path / "good")
+    other = export_scorer(tmp_path / "other", num_layers=3)
+    code, err = run_cli(["--scorer", f"{good},b={other}", "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 2 and err.count("\n") == 1 and "were trained for different base models" in err
+    code, err = run_cli(["--scorer", f"{good},b={tmp_path / 'missing'}", "--out", str(tmp_path / "run"), *SMALL],
+                        capsys)
+    assert code == 2 and err.count("\n") == 1 and "missing" in err

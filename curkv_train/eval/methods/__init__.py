@@ -2,7 +2,9 @@
 
 The selection (:func:`curkv_train.core.selection.select_kept`) and compaction are
 shared, so methods differ in their scores only. ``full`` is the uncompressed
-reference and has no score function.
+reference and has no score function. ``curkv_cache`` is not a score function either: the
+harness runs the trained scorer through the runtime :class:`~curkv_train.runtime.CurKVCache`
+(its tiers, re-compressing during the continuation) and reports it next to the bare selection.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ _FACTORIES: dict[str, Callable[[int, int], ScoreFunction]] = {
 }
 FULL = "full"
 CURKV = "curkv"
+CURKV_CACHE = "curkv_cache"
 BASELINES = tuple(_FACTORIES)
-METHODS = (FULL, *BASELINES, CURKV)
+METHODS = (FULL, *BASELINES, CURKV, CURKV_CACHE)
+# methods that need a trained scorer; with several scorers each gets its rows (``curkv:LABEL``, ...)
+SCORER_METHODS = (CURKV, CURKV_CACHE)
 
 
 def baseline(name: str, *, n_sink: int = 4, window: int = 64) -> ScoreFunction:
@@ -51,30 +56,43 @@ def baseline(name: str, *, n_sink: int = 4, window: int = 64) -> ScoreFunction:
     return _FACTORIES[name](n_sink, window)
 
 
-def build_methods(names: list[str], scorer: Scorer | None, *, n_sink: int = 4,
+def check_methods(names: list[str], has_scorer: bool) -> list[str]:
+    """``names`` without duplicates, or a CurKVError for an unknown name or a scorer method without a scorer."""
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise CurKVError(f"unknown method(s) {', '.join(map(repr, unknown))}; valid methods: {', '.join(METHODS)}")
+    needing = [name for name in names if name in SCORER_METHODS]
+    if needing and not has_scorer:
+        raise CurKVError(f"method {needing[0]!r} needs a trained scorer: pass --scorer PATH "
+                         f"(or drop {needing[0]} from --methods to run the baselines only)")
+    return list(dict.fromkeys(names))
+
+
+def build_methods(names: list[str], scorer: Scorer | dict[str, Scorer] | None, *, n_sink: int = 4,
                   window: int = 64) -> dict[str, ScoreFunction | None]:
     """Score functions by method name (``full`` -> None), validated against :data:`METHODS`.
+
+    Args:
+        scorer: the trained scorer, or several by method name (``curkv``, ``curkv:LABEL``): ``curkv``
+            in ``names`` then gives each of them a row. ``curkv_cache`` has no score function and is
+            left to the harness.
 
     Raises:
         CurKVError: an unknown name, or ``curkv`` without a scorer.
     """
-    unknown = [name for name in names if name not in METHODS]
-    if unknown:
-        raise CurKVError(f"unknown method(s) {', '.join(map(repr, unknown))}; valid methods: {', '.join(METHODS)}")
+    scorers = scorer if isinstance(scorer, dict) else ({CURKV: scorer} if scorer is not None else {})
     methods: dict[str, ScoreFunction | None] = {}
-    for name in dict.fromkeys(names):
+    for name in check_methods(names, bool(scorers)):
         if name == FULL:
             methods[name] = None
         elif name == CURKV:
-            if scorer is None:
-                raise CurKVError("method 'curkv' needs a trained scorer: pass --scorer PATH "
-                                 "(or drop curkv from --methods to run the baselines only)")
-            methods[name] = CurKVScore(scorer)
-        else:
+            methods.update({method: CurKVScore(trained) for method, trained in scorers.items()})
+        elif name != CURKV_CACHE:
             methods[name] = baseline(name, n_sink=n_sink, window=window)
     return methods
 
 
-__all__ = ["BASELINES", "CURKV", "FULL", "METHODS", "ScoreFunction", "baseline", "build_methods",
+__all__ = ["BASELINES", "CURKV", "CURKV_CACHE", "FULL", "METHODS", "SCORER_METHODS", "ScoreFunction", "baseline",
+           "build_methods", "check_methods",
            "CurDKVScore", "CurKVScore", "ExpectedAttentionScore", "H2OScore", "KNormScore", "RandomScore",
            "SnapKVScore", "StreamingLLMScore", "TOVAScore"]

@@ -1,0 +1,117 @@
+"""Runtime caches in the evaluation: a recency-scored CurKVCache, chunked feeding, what a cache holds.
+
+The harness's ``curkv_cache`` rows and the streaming task run text through a cache as
+generation would: a prefill, then chunks, the cache compressing as it does at run time.
+:class:`RecencyCache` is the same :class:`~curkv_train.runtime.CurKVCache` with the score
+replaced by the token's position, so it keeps the most recent tokens through the very
+selection, tiers and bookkeeping the learned score goes through: the two differ in the
+score only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from curkv_train.core.shapes import kv_shape
+from curkv_train.eval.compressed import cache_bytes
+from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.observer import ObservationBuffer
+
+
+class RecencyCache(CurKVCache):
+    """A CurKVCache whose score is the position: it keeps the sinks, the hot tier and the newest kept tokens.
+
+    With ``cold=False`` that is StreamingLLM's sink + recent window. Every other argument is
+    :class:`CurKVCache`'s; the scorer only supplies the spans and the shapes (it never scores).
+
+    Args:
+        observe: keep the observation the scorer would read (recent queries, query moments,
+            per-token scores) as the learned cache does, so both hold the same bytes at the same
+            settings. False holds none of it: a plain sink + recent cache, which under
+            ``max_bytes`` spends those bytes on tokens.
+    """
+
+    def __init__(self, *args, observe: bool = True, **kwargs) -> None:
+        self.observe = observe
+        super().__init__(*args, **kwargs)
+
+    def _observer(self, layer: int) -> ObservationBuffer:
+        """The scorer's observation buffer, or an empty one that records nothing (``observe=False``)."""
+        return super()._observer(layer) if self.observe else ObservationBuffer(0, None, 0)
+
+    def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
+               observation, token_scores) -> torch.Tensor:
+        """(batch, kv_heads, tokens) float32 positions of the held tokens: newer = higher."""
+        return positions.float()
+
+    def bytes_per_token(self) -> int:
+        """Bytes one dense token costs (no stored per-token score without ``observe``)."""
+        if self.observe or not self.scorer.scores_on_arrival:
+            return super().bytes_per_token()
+        shape = kv_shape(self.model.config)
+        return super().bytes_per_token() - 4 * shape.num_layers * shape.num_kv_heads
+
+    def observation_bytes(self) -> int:
+        """Bytes of the observation: none without ``observe``."""
+        return super().observation_bytes() if self.observe else 0
+
+
+def held_bytes(cache: Cache) -> int:
+    """Bytes a cache holds: :meth:`CurKVCache.nbytes` (every tier, positions, observation), else its K/V tensors."""
+    return cache.nbytes() if isinstance(cache, CurKVCache) else cache_bytes(cache)
+
+
+def held_tokens(cache: Cache) -> float:
+    """Mean tokens held per (layer, KV head), all tiers counted."""
+    if isinstance(cache, CurKVCache):
+        return sum(cache.held_tokens(layer) for layer in range(len(cache.layers))) / len(cache.layers)
+    return sum(layer.keys.shape[2] for layer in cache.layers if layer.keys is not None) / len(cache.layers)
+
+
+@torch.no_grad()
+def prefill_cache(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor) -> torch.Tensor:
+    """Run ``input_ids`` (1, tokens) into an empty ``cache`` at once (a prefill; the cache compresses as it
+    does at run time); returns the last token's logits (1, 1, vocab) float32."""
+    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return output.logits.float()
+
+
+@torch.no_grad()
+def feed_chunks(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, seen: int, chunk: int,
+                on_step: Callable[[int, int, torch.Tensor], None]) -> None:
+    """Feed ``input_ids`` (1, tokens) after ``seen`` tokens, ``chunk`` at a time, as generation would.
+
+    RoPE positions are the true ones (``seen`` onwards) whatever the cache holds; the causal mask
+    follows the cache (a CurKVCache reports the tokens seen and offsets its held ones; a
+    DynamicCache a press compressed is attended over what it holds).
+
+    Args:
+        on_step: called after each forward with ``(start, stop, logits)``: the chunk's token range
+            [start, stop) in ``input_ids`` and its logits (1, stop − start, vocab) float32.
+    """
+    device = input_ids.device
+    for start in range(0, input_ids.shape[1], chunk):
+        part = input_ids[:, start : start + chunk]
+        positions = torch.arange(seen + start, seen + start + part.shape[1], device=device)[None]
+        output = model(input_ids=part, past_key_values=cache, use_cache=True, position_ids=positions)
+        on_step(start, start + part.shape[1], output.logits.float())
+
+
+def continuation_through(model: PreTrainedModel, cache: Cache, context_ids: torch.Tensor,
+                         continuation_ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Logits (1, M, vocab) of ``continuation_ids`` after prefilling ``context_ids`` into ``cache``, the
+    continuation fed ``chunk`` tokens at a time (the cache keeps compressing as at run time)."""
+    prefill_cache(model, cache, context_ids)
+    parts: list[torch.Tensor] = []
+    feed_chunks(model, cache, continuation_ids, context_ids.shape[1], chunk,
+                lambda start, stop, logits: parts.append(logits))
+    return torch.cat(parts, dim=1)
+
+
+def plain_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty full cache for ``model``."""
+    return DynamicCache(config=model.config)

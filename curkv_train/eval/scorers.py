@@ -1,0 +1,144 @@
+"""Several trained scorers in one evaluation: ``--scorer main=PATH,other=PATH,fresh=init:query_aware``.
+
+Each comma-separated entry is ``label=SOURCE`` or a bare ``SOURCE``; a source is an exported
+scorer folder (or a shipped checkpoint's name) or ``init:FAMILY``, a freshly initialised,
+untrained estimator of that family for the base model (seed 0, default options, n_sink 4,
+window 64). A bare entry is evaluated as method ``curkv``, a labelled one as ``curkv:LABEL``.
+The first entry is the main scorer: the summary's verdict is about it, and it sets the data
+recipe, the base model and the protected spans when they are not given.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from curkv_train.errors import CurKVError
+from curkv_train.eval.methods import CURKV
+from curkv_train.runtime.scorer import Scorer
+
+INIT_PREFIX = "init:"
+NONE = "none"
+_LABEL = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class ScorerEntry:
+    """One ``--scorer`` entry.
+
+    Attributes:
+        label: the entry's label, or None for a bare source.
+        source: a scorer folder / shipped name, or ``init:FAMILY``.
+    """
+
+    label: str | None
+    source: str
+
+    @property
+    def method(self) -> str:
+        """The method name of the entry's rows: ``curkv`` or ``curkv:LABEL``."""
+        return CURKV if self.label is None else f"{CURKV}:{self.label}"
+
+    @property
+    def family(self) -> str | None:
+        """The estimator family of an ``init:FAMILY`` entry, else None."""
+        return self.source[len(INIT_PREFIX):] if self.source.startswith(INIT_PREFIX) else None
+
+    def suffixed(self, name: str) -> str:
+        """``name`` for this entry's rows: ``name`` for the bare entry, ``name:LABEL`` for a labelled one."""
+        return name if self.label is None else f"{name}:{self.label}"
+
+
+def parse_scorers(spec: str) -> list[ScorerEntry]:
+    """The entries of a ``--scorer`` value (``none``: no scorer, an empty list).
+
+    Raises:
+        CurKVError: an empty entry or label, a label used twice, two bare entries, ``none`` among
+            others, or ``init:`` with an unknown family.
+    """
+    from curkv_train.models.estimators import check_family
+
+    items = [item.strip() for item in str(spec).split(",")]
+    if [item.lower() for item in items] == [NONE]:
+        return []
+    entries = []
+    for item in items:
+        label, separator, source = item.partition("=")
+        label, source = (label.strip(), source.strip()) if separator else (None, item)
+        if not source or (separator and not label):
+            raise CurKVError(f"--scorer entry {item!r} is empty; expected PATH, LABEL=PATH or LABEL=init:FAMILY, "
+                             "comma-separated")
+        if label is not None and not _LABEL.fullmatch(label):
+            raise CurKVError(f"--scorer label {label!r} may hold only letters, digits, '_', '.' and '-'")
+        if source.lower() == NONE:
+            raise CurKVError("--scorer none means no scorer at all; it cannot be combined with other entries")
+        entry = ScorerEntry(label, source)
+        if entry.family is not None:
+            check_family(entry.family)
+        entries.append(entry)
+    methods = [entry.method for entry in entries]
+    repeated = sorted({method for method in methods if methods.count(method) > 1})
+    if repeated:
+        what = "bare paths (label all but one: LABEL=PATH)" if CURKV in repeated else f"labels {repeated}"
+        raise CurKVError(f"--scorer has two entries with the same name: {what}")
+    return entries
+
+
+def load_trained(entries: list[ScorerEntry]) -> dict[str, Scorer]:
+    """The exported scorers among ``entries`` by method name (``init:`` entries are built later, with the model).
+
+    Raises:
+        CurKVError: a folder that cannot be loaded, or scorers recorded for different base models.
+    """
+    from curkv_train.runtime.serialization import load_scorer
+
+    loaded = {entry.method: load_scorer(entry.source) for entry in entries if entry.family is None}
+    bases = {method: base_fingerprint(scorer) for method, scorer in loaded.items()}
+    first = next(iter(bases), None)
+    for method, fingerprint in bases.items():
+        if fingerprint != bases[first]:
+            raise CurKVError(f"scorers {first} and {method} were trained for different base models "
+                             f"({scorer_base(loaded[first])!r} vs {scorer_base(loaded[method])!r}); "
+                             "evaluate scorers of one base model per run")
+    return loaded
+
+
+def base_fingerprint(scorer: Scorer) -> dict | None:
+    """The base-model fingerprint a scorer records (None for scorers that record none)."""
+    base = scorer.metadata.get("base_model")
+    return base.get("fingerprint") if isinstance(base, dict) else None
+
+
+def scorer_base(scorer: Scorer | None) -> str | None:
+    """The base model id a scorer records (``base_model`` may be an id or ``{"id": ..., "fingerprint": ...}``)."""
+    if scorer is None:
+        return None
+    base = scorer.metadata.get("base_model")
+    return (base.get("id") if isinstance(base, dict) else base) or None
+
+
+def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -> Scorer:
+    """An untrained estimator of ``family`` for ``model`` (seed 0, default options) with the default spans.
+
+    It records ``model``'s fingerprint, so the runtime cache accepts it without a warning.
+    """
+    from curkv_train.core.shapes import kv_shape
+    from curkv_train.models.estimators import build_estimator
+    from curkv_train.runtime.serialization import model_fingerprint
+
+    torch.manual_seed(0)
+    estimator = build_estimator(family, kv_shape(model.config)).eval().requires_grad_(False)
+    device = next(model.parameters()).device
+    metadata = {"base_model": {"id": base, "fingerprint": model_fingerprint(model.config)},
+                "name": f"{INIT_PREFIX}{family}"}
+    return Scorer(estimator.to(device), metadata=metadata)
+
+
+def build_scorers(entries: list[ScorerEntry], trained: dict[str, Scorer], model: PreTrainedModel,
+                  base: str | None = None) -> dict[str, Scorer]:
+    """Every entry's scorer by method name, in entry order (``init:`` ones built for ``model`` now)."""
+    return {entry.method: trained[entry.method] if entry.family is None else fresh_scorer(entry.family, model, base)
+            for entry in entries}

@@ -1,0 +1,257 @@
+"""The streaming task on the tiny random Llama: exact against one forward, equal bytes, budgets, long chunks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from runtime_helpers import family_scorer, random_scorer
+
+from curkv_train.errors import CurKVError
+from curkv_train.eval.cached import RecencyCache, held_bytes, plain_cache
+from curkv_train.eval.heldout import PYTHON_TEXT, HeldOutDocument, python_text_documents
+from curkv_train.eval.metrics import token_nll
+from curkv_train.eval.streaming import (
+    CURKV,
+    CURKV_DENSE,
+    FULL,
+    PRESS_PREFIX,
+    RECENCY,
+    STREAMING_LLM,
+    StreamDocument,
+    StreamRun,
+    StreamSettings,
+    check_memory,
+    evaluate_streaming,
+    held_after,
+    memory_settings,
+    segment_sums,
+    stream_document,
+    stream_documents,
+    stream_methods,
+)
+from curkv_train.runtime import CurKVCache
+
+WINDOW, N_SINK, PREFIX = 16, 4, 120
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    return random_scorer(n_sink=N_SINK, window=WINDOW)
+
+
+def tokens(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def methods_by_name(model, scorer, settings, scorers=None):
+    methods, skipped = stream_methods(model, scorers or {CURKV: scorer}, scorer, settings, main=CURKV)
+    return {method.name: method for method in methods}, skipped
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 50])
+def test_full_cache_streaming_equals_one_forward(model, chunk):
+    ids = tokens(300)
+    trace = stream_document(model, StreamRun(plain_cache(model)), ids, PREFIX, chunk)
+    with torch.no_grad():
+        reference = token_nll(model(ids).logits, ids[:, 1:])[0, PREFIX - 1 :].double().numpy()
+    assert trace.nll.shape == reference.shape == (300 - PREFIX,)
+    np.testing.assert_allclose(trace.nll, reference, atol=2e-5)
+    assert math.isclose(math.exp(trace.nll.mean()), math.exp(reference.mean()), rel_tol=1e-6)
+    assert [step[3] for step in trace.steps][:2] == [PREFIX, PREFIX + min(chunk, 300 - PREFIX - 1)]
+
+
+def test_at_keep_one_every_method_equals_the_full_cache(model, scorer):
+    settings = StreamSettings(memory_settings([0.0]), prefix=PREFIX, chunk=WINDOW, kvpress=True, backend="torch")
+    methods, _ = methods_by_name(model, scorer, settings)
+    ids = tokens(260, seed=1)
+    full = stream_document(model, methods[FULL].build(settings.memory[0]), ids, PREFIX, WINDOW)
+    assert {STREAMING_LLM, CURKV_DENSE, "curkv_cold", CURKV, RECENCY} <= set(methods)
+    for name, method in methods.items():
+        trace = stream_document(model, method.build(settings.memory[0]), ids, PREFIX, WINDOW)
+        np.testing.assert_allclose(trace.nll, full.nll, atol=2e-5, err_msg=name)
+        assert [step[2] for step in trace.steps] == [step[2] for step in full.steps], name
+
+
+@pytest.mark.parametrize("family", ["seed", "query_aware"])
+def test_recency_and_learned_caches_hold_equal_bytes(model, family):
+    """The key comparison: at the same settings the two caches differ in the score only, never in bytes."""
+    scorer = family_scorer(family, n_sink=N_SINK, window=WINDOW) if family != "seed" else random_scorer(window=WINDOW)
+    ids = tokens(400, seed=2)
+    for memory in memory_settings([0.5], [120]):
+        learned = stream_document(model, StreamRun(CurKVCache(scorer, model=model, backend="torch",
+                                                              **memory.cache_options())), ids, PREFIX, WINDOW)
+        recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, backend="torch",
+                                                               **memory.cache_options())), ids, PREFIX, WINDOW)
+        assert [step[1:] for step in learned.steps] == [step[1:] for step in recent.steps], memory.label
+        assert not np.allclose(learned.nll, recent.nll)  # they did keep different tokens
+    # StreamingLLM (no tiers, no observation) holds as many tokens as the dense learned cache, fewer bytes
+    sink_recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, keep_ratio=0.5, cold=False,
+                                                                observe=False)), ids, PREFIX, WINDOW)
+    dense = stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False)), ids,
+                            PREFIX, WINDOW)
+    assert [step[2] for step in sink_recent.steps] == [step[2] for step in dense.steps]
+    assert all(a[1] <= b[1] for a, b in zip(sink_recent.steps, dense.steps))
+    assert (family == "seed") == all(a[1] == b[1] for a, b in zip(sink_recent.steps, dense.steps))
+
+
+def test_recency_cache_keeps_the_sinks_and_the_newest_tokens(model, scorer):
+    cache = RecencyCache(scorer, model=model, keep_ratio=0.5, cold=False, observe=False)
+    with torch.no_grad():
+        model(tokens(300), past_key_values=cache)
+    held = cache.layers[0].positions[0, 0].long().tolist()
+    assert held == list(range(N_SINK)) + list(range(300 - len(held) + N_SINK, 300))
+
+
+def test_chunk_token_by_token_equals_a_window_per_chunk(model, scorer):
+    """Fed a window at a time the cache compresses exactly when token-by-token generation would."""
+    ids = tokens(330, seed=3)
+    runs = [stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")),
+                            ids, PREFIX, chunk) for chunk in (1, WINDOW)]
+    np.testing.assert_allclose(runs[0].nll, runs[1].nll, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [5 * WINDOW, 200])
+def test_a_chunk_longer_than_the_hot_tier_is_compressed_on_arrival(model, scorer, chunk):
+    """The runtime compresses a chunk longer than the hot tier as it arrives: the eval runs it, every method,
+    and after each step every compressing cache holds what it would after compressing at that length."""
+    settings = StreamSettings(memory_settings([0.5], [150]), prefix=PREFIX, chunk=chunk, kvpress=True,
+                              backend="torch")
+    methods, _ = methods_by_name(model, scorer, settings)
+    ids = tokens(600, seed=4)
+    for memory in settings.memory:
+        for name in (CURKV, RECENCY, STREAMING_LLM):
+            run = methods[name].build(memory)
+            trace = stream_document(model, run, ids, PREFIX, chunk)
+            assert np.isfinite(trace.nll).all() and len(trace.nll) == 600 - PREFIX
+            assert [step[2] for step in trace.steps] == [held_after(run.cache.settings, seen)
+                                                        for *_, seen in trace.steps], (name, memory.label)
+        press = stream_document(model, methods[PRESS_PREFIX + "knorm"].build(memory), ids, PREFIX, chunk)
+        assert np.isfinite(press.nll).all()
+        assert press.steps[-1][2] == held_after(methods[STREAMING_LLM].build(memory).cache.settings, 599)
+
+
+def test_budget_options_reach_every_compressing_cache(model, scorer):
+    settings = StreamSettings(memory_settings([], [140], [60_000]), prefix=PREFIX, chunk=WINDOW, kvpress=True,
+                              backend="torch")
+    methods, _ = methods_by_name(model, scorer, settings)
+    tokens_budget, bytes_budget = settings.memory
+    assert (tokens_budget.max_tokens, tokens_budget.keep_ratio, bytes_budget.max_bytes) == (140, 1.0, 60_000)
+    for name, method in methods.items():
+        if name == FULL or name.startswith(PRESS_PREFIX):
+            continue
+        assert method.build(tokens_budget).cache.settings.max_tokens == 140, name
+        assert method.build(bytes_budget).cache.settings.max_tokens is not None, name
+    ids = tokens(500, seed=5)
+    full = stream_document(model, methods[FULL].build(tokens_budget), ids, PREFIX, WINDOW)
+    for name in methods:
+        if name == FULL:
+            continue
+        bounds = ((tokens_budget, lambda step: step[2] <= 140), (bytes_budget, lambda step: step[1] <= 60_000))
+        for memory, bound in bounds:
+            trace = stream_document(model, methods[name].build(memory), ids, PREFIX, WINDOW)
+            assert all(bound(step) for step in trace.steps), (name, memory.label)
+            assert trace.steps[-1][1] < full.steps[-1][1]
+
+
+def test_a_budget_no_cache_can_hold_is_one_line(model, scorer):
+    settings = StreamSettings(memory_settings([], [40]), prefix=PREFIX)
+    with pytest.raises(CurKVError, match="streaming setting 40 tokens for the recency caches: a budget of 40"):
+        check_memory(model, {CURKV: scorer}, scorer, settings)
+    with pytest.raises(CurKVError, match="--budget_tokens must be positive"):
+        memory_settings([0.5], [0])
+    with pytest.raises(CurKVError, match="--stream_length 100 must exceed --stream_prefix 120"):
+        settings.check_length(100, None)
+
+
+def test_documents_are_cut_longest_first_and_name_their_sources():
+    held = [HeldOutDocument(name, np.full(size, index), 1, size) for index, (name, size)
+            in enumerate([("short", 30), ("long", 250), ("middle", 90)])]
+    built = stream_documents("stream_text", held, length=100, count=5)
+    assert [document.sources for document in built] == [("long",), ("long",), ("middle", "long")]
+    held.append(HeldOutDocument("longer", np.full(310, 3), 1, 310))
+    built = stream_documents("stream_text", held, length=100, count=4)
+    assert [document.sources for document in built] == [("longer",), ("long",), ("longer",), ("long",)]
+    assert built[2].input_ids[0, 0] == 3 and built[3].input_ids.shape == (1, 100)
+    assert all(document.input_ids.shape == (1, 100) for document in built)
+    with pytest.raises(CurKVError, match="fewer than one streamed document of 700"):
+        stream_documents("stream_text", held, length=700, count=1)
+
+
+def test_python_text_is_long_prose_no_training_source_reads():
+    from curkv_train.data.corpora import stdlib_code
+
+    found = {document["id"] for document in python_text_documents()}
+    assert f"{PYTHON_TEXT}/idlelib/NEWS.txt" in found and f"{PYTHON_TEXT}/LICENSE.txt" in found
+    trained = {document["id"] for document in stdlib_code()}
+    assert not any("idlelib" in name or not name.endswith(".py") for name in trained)
+
+
+def test_segments_carry_the_bytes_of_their_steps(model, scorer):
+    trace = stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5)), tokens(400), PREFIX,
+                            WINDOW)
+    sums = segment_sums(trace, 100)
+    assert sums["tokens"].tolist() == [100, 100, 80] and math.isclose(sums["nll"].sum(), trace.nll.sum())
+    assert sums["kv_bytes"][0] > 0 and sums["context_tokens"][-1] > sums["context_tokens"][0]
+
+
+def test_evaluation_rows_summary_and_skipped_presses(model, scorer):
+    settings = StreamSettings(memory_settings([0.5], [140]), prefix=PREFIX, chunk=WINDOW, segment=60, kvpress=True,
+                              backend="torch", resamples=200)
+    other = random_scorer(window=WINDOW, bias=1.0)
+    methods, skipped = stream_methods(model, {CURKV: scorer, "curkv:b": other}, scorer, settings, main=CURKV)
+    documents = {"stream_code": [StreamDocument("stream_code", tokens(300, seed), (f"doc{seed}",))
+                                 for seed in range(2)]}
+    results = evaluate_streaming(model, documents, methods, settings, skipped, main=CURKV)
+    rows = {(row["method"], row["setting"]): row for row in results["rows"]}
+    assert {(CURKV, "0.5"), (RECENCY, "140 tokens"), ("curkv:b", "0.5"), (FULL, FULL),
+            (PRESS_PREFIX + "expected_attention", "0.5")} <= set(rows)
+    assert rows[(FULL, FULL)]["metrics"]["ppl_increase_pct"] == 0.0
+    assert rows[(CURKV, "0.5")]["metrics"]["kv_bytes_pct"] == rows[(RECENCY, "0.5")]["metrics"]["kv_bytes_pct"] < 100
+    assert PRESS_PREFIX + "curkv" in results["skipped"]
+    against = {(entry["setting"], entry["against"]) for entry in results["summary"]}
+    assert ("0.5", "recency") in against and all(entry["method"] == CURKV for entry in results["summary"])
+    assert results["documents"]["stream_code"][1]["sources"] == ["doc1"]
+
+
+def test_streaming_through_the_cli(tmp_path, capsys):
+    from test_eval_harness import export_scorer
+
+    from curkv_train import cli
+
+    scorer = export_scorer(tmp_path / "scorer")
+    run = tmp_path / "run"
+    code = cli.main(["eval", "--scorer", str(scorer), "--tasks", "stream_text,stream_code", "--ratios", "0.5",
+                     "--budget_tokens", "150", "--stream_length", "400", "--stream_prefix", "150", "--stream_chunk",
+                     "32", "--stream_documents", "2", "--stream_segment", "100", "--backend", "torch",
+                     "--out", str(run)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    results = json.loads((run / "results.json").read_text())
+    streaming = results["streaming"]
+    assert results["rows"] == [] and streaming["length"] == 400 and streaming["chunk"] == 32
+    assert [setting["label"] for setting in streaming["settings"]] == ["0.5", "150 tokens"]
+    assert streaming["documents"]["stream_text"][0]["sources"][0].startswith(f"{PYTHON_TEXT}/")
+    assert streaming["documents"]["stream_code"][0]["sources"][0].startswith("stdlib/")
+    assert {row["method"] for row in streaming["rows"]} == {FULL, STREAMING_LLM, CURKV_DENSE, "curkv_cold", CURKV,
+                                                           RECENCY}
+    markdown = (run / "results.md").read_text()
+    assert "## Streaming" in markdown and "### stream_code" in markdown and "| recency |" in markdown
+    assert (run / "plots" / "streaming__stream_text.png").read_bytes()[:4] == b"\x89PNG"
+    code = cli.main(["eval", "--scorer", str(scorer), "--tasks", "stream_text", "--budget_tokens", "20",
+                     "--stream_length", "400", "--stream_prefix", "150", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "a budget of 20 tokens" in err
+
+
+def test_held_bytes_of_a_plain_cache_are_its_key_value_tensors(model):
+    cache = plain_cache(model)
+    with torch.no_grad():
+        model(tokens(50), past_key_values=cache)
+    assert held_bytes(cache) == sum(t.numel() * t.element_size() for layer in cache.layers
+                                    for t in (layer.keys, layer.values))
