@@ -236,8 +236,11 @@ def results_markdown(results: dict, config: dict) -> str:
              "tokens per (layer, KV head); `kvpress:*` rows keep int(n·(1 − r)) of all tokens with r "
              f"{'matched to our budget' if config.get('kvpress_budget') == 'matched' else 'as given'} — "
              "the budget tables give the tokens and bytes each method actually held.", ""]
+    if not rows and results.get("streaming"):  # the streaming task alone
+        lines = ["# KV-cache compression evaluation", "",
+                 f"Base `{config.get('base')}`, scorer `{config.get('scorer')}`, seed {config.get('seed')}.", ""]
     lines += curkv_summary(results)
-    lines += _notes(results, config)
+    lines += _notes(results, config) if rows else []
     for task, main in results["main_metric"].items():
         lines += [f"## {task}", ""]
         for name in task_metrics(rows, task, main):
