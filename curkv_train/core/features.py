@@ -133,8 +133,23 @@ def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int)
     of what token j writes into the residual stream through that head when fully attended.
     """
     batch, kv_heads, tokens, dim = values.shape
-    weight = module.o_proj.weight.float().reshape(-1, kv_heads, group, dim)  # (hidden, kv_heads, group, d)
-    gram = torch.einsum("ohgd,ohge->hgde", weight, weight)
+    gram = output_gram(module, kv_heads, group)
     values = values.float()
-    squared = torch.einsum("bhnd,hgde,bhne->bhgn", values, gram, values)
-    return squared.clamp_min(0).sqrt()
+    projected = values @ gram.permute(0, 2, 1, 3).reshape(kv_heads, dim, group * dim)  # (b, h, n, g·d)
+    squared = (projected.reshape(batch, kv_heads, tokens, group, dim) * values[:, :, :, None]).sum(dim=-1)
+    return squared.clamp_min(0).sqrt().transpose(2, 3)
+
+
+def output_gram(module: torch.nn.Module, kv_heads: int, group: int) -> torch.Tensor:
+    """W_O^(h,g)ᵀ·W_O^(h,g) for every (KV head h, query head g): (kv_heads, group, head_dim, head_dim) float32.
+
+    Kept on the module (the base is frozen), recomputed if ``o_proj``'s weight is replaced or changed.
+    """
+    weight = module.o_proj.weight
+    key = (weight.data_ptr(), weight._version, kv_heads, group)
+    cached = getattr(module, "_curkv_output_gram", None)
+    if cached is None or cached[0] != key:
+        heads = weight.detach().float().reshape(weight.shape[0], kv_heads, group, -1)  # (hidden, h, g, d)
+        cached = (key, torch.einsum("ohgd,ohge->hgde", heads, heads))
+        module._curkv_output_gram = cached
+    return cached[1]
