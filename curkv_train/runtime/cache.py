@@ -52,6 +52,7 @@ from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, compress_kv, 
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
+from curkv_train.runtime.buffer import buffered
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.scorer import Scorer
 
@@ -167,8 +168,14 @@ class CurKVLayer(CacheLayerMixin):
     """
 
     is_sliding = False
+    keys = buffered("keys", -2)
+    values = buffered("values", -2)
+    positions = buffered("positions", -1)
+    token_scores = buffered("token_scores", -1)
 
     def __init__(self, layer_idx: int, settings: TierSettings, score_fn: ScoreFn, observer: ObservationBuffer) -> None:
+        # Room for the tokens that arrive between two compressions (one window): decoding appends in place.
+        self.buffer_headroom = settings.window
         super().__init__()
         self.layer_idx, self.settings, self.score_fn, self.observer = layer_idx, settings, score_fn, observer
         self.positions: torch.Tensor | None = None
@@ -239,13 +246,15 @@ class CurKVLayer(CacheLayerMixin):
         """Add new tokens to the dense tensors; the first ``n_sink`` ever seen become sinks, the rest hot."""
         new = key_states.shape[-2]
         dtype = cur.narrow_int_dtype(self.seen + new)
+        if self.positions.dtype != dtype:
+            self.positions = self.positions.to(dtype)
         positions = torch.arange(self.seen, self.seen + new, device=self.device, dtype=dtype)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions.to(dtype), positions.expand(*key_states.shape[:2], new)], dim=-1)
+        self._keys_buffer.append(key_states)
+        self._values_buffer.append(value_states)
+        self._positions_buffer.append(positions.expand(*key_states.shape[:2], new))
         if self.token_scores is not None:
             arrived = self.observer.take_arrival_scores(new, self.layer_idx)
-            self.token_scores = torch.cat([self.token_scores, arrived.to(self.token_scores.dtype)], dim=-1)
+            self._token_scores_buffer.append(arrived.to(self.token_scores.dtype))
         self.seen += new
         sinks = min(self.settings.n_sink, self.seen)
         self.n_hot += new - (sinks - self.n_sink_held)
@@ -328,10 +337,11 @@ class CurKVLayer(CacheLayerMixin):
         return -1
 
     def nbytes(self) -> int:
-        """Bytes held: dense K/V, positions, stored token scores, every cold factor and the observation window."""
-        dense = [t for t in (self.keys, self.values, self.positions, self.token_scores) if t is not None]
-        return (sum(t.numel() * t.element_size() for t in dense) + sum(block.nbytes() for block in self.cold)
-                + self.observer.nbytes())
+        """Bytes held: dense K/V, positions and stored token scores (with their headroom), every cold
+        factor and the observation window."""
+        buffers = [self.__dict__.get(f"_{name}_buffer") for name in ("keys", "values", "positions", "token_scores")]
+        return (sum(buffer.nbytes() for buffer in buffers if buffer is not None)
+                + sum(block.nbytes() for block in self.cold) + self.observer.nbytes())
 
     def crop(self, max_length: int) -> None:
         """Drop tokens past ``max_length``; only possible before anything was compressed."""

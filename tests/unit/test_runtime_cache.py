@@ -42,13 +42,14 @@ def decode(model, ids: torch.Tensor, cache, new: int, on_step) -> None:
 
 
 def held_tensor_bytes(cache: CurKVCache) -> int:
-    """Bytes of every tensor the cache's layers reference, counted independently of nbytes()."""
-    total = 0
+    """Bytes of every storage the cache's layers reference (allocated room included), counted independently of
+    nbytes()."""
+    storages = {}
     for layer in cache.layers:
-        tensors = [layer.keys, layer.values, layer.positions]
+        tensors = [layer.keys, layer.values, layer.positions, layer.token_scores]
         tensors += [t for block in layer.cold for t in block.keys.tensors() + block.values.tensors()]
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    return total
+        storages.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None})
+    return sum(storages.values())
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,67 @@
+"""Dense per-token tensors with headroom: a decode step copies its new token, not the whole cache.
+
+A transformers DynamicCache concatenates every step, copying all it holds; at long contexts
+that copy is a large share of a CPU decode step. :class:`AppendBuffer` keeps a tensor with spare
+room along its token dimension: an append writes into the room, and only when it runs out is
+the tensor copied once into a larger one (the needed size plus ``headroom`` tokens). A tensor
+assigned whole (a prefill, a compression) is held at its exact size; the room is only added by
+the first append that needs it. The headroom is allocated memory, so it is counted as held
+(:meth:`AppendBuffer.nbytes`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AppendBuffer:
+    """A tensor growing along dimension ``dim`` with ``headroom`` spare tokens.
+
+    Args:
+        tensor: the initial content; its size along ``dim`` is the token count.
+        dim: the token dimension (negative, counted from the end).
+        headroom: tokens of spare room added whenever an append has to reallocate.
+    """
+
+    def __init__(self, tensor: torch.Tensor, dim: int, headroom: int) -> None:
+        self.dim, self.headroom, self.length = dim, headroom, tensor.shape[dim]
+        self.data = tensor
+
+    def _allocate(self, content: torch.Tensor, capacity: int) -> torch.Tensor:
+        shape = list(content.shape)
+        shape[self.dim] = capacity
+        data = content.new_empty(shape)
+        data.narrow(self.dim, 0, content.shape[self.dim]).copy_(content)
+        return data
+
+    @property
+    def view(self) -> torch.Tensor:
+        """The content (a view of the first ``length`` tokens)."""
+        return self.data.narrow(self.dim, 0, self.length)
+
+    def append(self, new: torch.Tensor) -> None:
+        """Add ``new`` (same shape but along ``dim``) after the content; copies it all only when full."""
+        count = new.shape[self.dim]
+        if self.length + count > self.data.shape[self.dim]:
+            self.data = self._allocate(self.view, self.length + count + self.headroom)
+        self.data.narrow(self.dim, self.length, count).copy_(new)
+        self.length += count
+
+    def nbytes(self) -> int:
+        """Bytes allocated, headroom included."""
+        return self.data.numel() * self.data.element_size()
+
+
+def buffered(name: str, dim: int) -> property:
+    """A property storing tensors assigned to it in an :class:`AppendBuffer` (``None`` stays ``None``);
+    reading it gives the content. The owner sets ``buffer_headroom`` (tokens)."""
+    slot = f"_{name}_buffer"
+
+    def get(owner):
+        buffer = owner.__dict__.get(slot)
+        return None if buffer is None else buffer.view
+
+    def set_(owner, tensor):
+        owner.__dict__[slot] = None if tensor is None else AppendBuffer(tensor, dim, owner.buffer_headroom)
+
+    return property(get, set_)
