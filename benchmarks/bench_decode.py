@@ -2,12 +2,12 @@
 
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 128] [--threads 2]
-       [--settings tiers,tiers-rebuild,dense-only,no-compensation,no-hot,no-warm] [--backend auto]
+       [--settings default,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot] [--backend auto]
 
 For every context length: a prompt of that many tokens (the Python standard library's own
 sources, repeated as needed: timing only, no quality claim), prefilled once per cache, then
 ``--new-tokens`` greedy decode steps. Prints per cache: decode tokens/s; the ratio to
-DynamicCache and to the dense-only CurKVCache (cold=False) at the same keep ratio; bytes
+DynamicCache and to the default CurKVCache (dense tiers) at the same keep ratio; bytes
 held after decoding (DynamicCache: its K/V; CurKVCache: ``nbytes()``, factors included);
 the share of decode time spent compressing (``CurKVLayer.compress``: scoring, compaction,
 spilling to cold) and, inside it, scoring (the estimator); and how many greedy tokens
@@ -15,10 +15,11 @@ agree with DynamicCache's. tokens/s counts every decode step (compression steps
 included); the median step time is the attention-only step, robust to a busy machine.
 One JSON line per run follows the tables.
 
-Settings: ``tiers`` default tiers (factored cold attention); ``tiers-rebuild`` the same
-but rebuilding cold blocks densely each step (``factored_attention=False``, the old
-path); ``dense-only`` cold=False; ``no-compensation`` cold without the sparse residual;
-``no-hot`` / ``no-warm`` hot=False / warm=False.
+Settings: ``default`` the runtime defaults (hot and warm tiers, dense; no cold tier);
+``cold`` + the opt-in cold CUR tier (factored cold attention, residual compensation);
+``cold-rebuild`` the same but rebuilding cold blocks densely each step
+(``factored_attention=False``); ``cold-no-compensation`` cold without the sparse residual;
+``cold-no-warm`` cold with warm=False; ``no-hot`` hot=False.
 
 The timing hooks wrap ``CurKVLayer.compress`` and ``CurKVCache._score`` inside this
 script only; the library carries no instrumentation.
@@ -43,15 +44,15 @@ from curkv_train.runtime.cache import CurKVLayer
 from timing import TIMERS, timed  # benchmarks/timing.py, beside this script
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    "tiers": {},
-    "tiers-rebuild": {"factored_attention": False},
-    "dense-only": {"cold": False},
-    "no-compensation": {"compensation": False},
+    "default": {},
+    "cold": {"cold": True},
+    "cold-rebuild": {"cold": True, "factored_attention": False},
+    "cold-no-compensation": {"cold": True, "compensation": False},
+    "cold-no-warm": {"cold": True, "warm": False},
     "no-hot": {"hot": False},
-    "no-warm": {"warm": False},
 }
 BASELINE = "dynamic"
-DENSE_ONLY = "dense-only"
+DEFAULT = "default"
 
 
 def instrument() -> None:
@@ -124,9 +125,9 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
         print(f"  {name:16s} keep {keep if keep is not None else '-':>4}: {row['tok_s']:6.2f} tok/s", flush=True)
     baseline = rows[0]
     for row in rows:
-        dense = next((r for r in rows if r["cache"] == DENSE_ONLY and r["keep"] == row["keep"]), None)
+        default = next((r for r in rows if r["cache"] == DEFAULT and r["keep"] == row["keep"]), None)
         row["vs_dynamic"] = row["tok_s"] / baseline["tok_s"]
-        row["vs_dense_only"] = None if dense is None else row["tok_s"] / dense["tok_s"]
+        row["vs_default"] = None if default is None else row["tok_s"] / default["tok_s"]
         row["bytes_vs_dynamic"] = row["bytes"] / baseline["bytes"]
         row["token_agreement"] = sum(a == b for a, b in zip(row["tokens"], baseline["tokens"])) / len(row["tokens"])
     return rows
@@ -135,14 +136,14 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
 def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per cache: speed, ratios, memory, compression share, agreement."""
     print(f"context {rows[0]['context']} (decode steps timed after prefill; ratios from this run)")
-    print(f"  {'cache':16s} {'keep':>4s} {'tok/s':>7s} {'med ms':>7s} {'vs dyn':>7s} {'vs dense':>8s} {'MiB held':>9s} "
+    print(f"  {'cache':16s} {'keep':>4s} {'tok/s':>7s} {'med ms':>7s} {'vs dyn':>7s} {'vs dflt':>8s} {'MiB held':>9s} "
           f"{'mem/dyn':>7s} {'compress':>8s} {'score':>6s} {'agree':>6s} {'cold':>5s}")
     for row in rows:
         keep = "-" if row["keep"] is None else f"{row['keep']:.2f}"
-        versus_dense = "-" if row["vs_dense_only"] is None else f"{row['vs_dense_only']:.2f}x"
+        versus_default = "-" if row["vs_default"] is None else f"{row['vs_default']:.2f}x"
         cold = row.get("tiers", {}).get("cold", "-")
         print(f"  {row['cache']:16s} {keep:>4s} {row['tok_s']:7.2f} {row['median_step_ms']:7.1f} "
-              f"{row['vs_dynamic']:6.2f}x {versus_dense:>8s} "
+              f"{row['vs_dynamic']:6.2f}x {versus_default:>8s} "
               f"{row['bytes'] / 2**20:9.2f} {row['bytes_vs_dynamic']:7.2f} {row['compress_share']:8.1%} "
               f"{row['score_share']:6.1%} {row['token_agreement']:6.2f} {cold!s:>5s}")
 

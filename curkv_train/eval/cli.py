@@ -257,17 +257,17 @@ def _check_shapes(settings: EvalSettings, context_length: int, continuation_leng
     if examples < 1:
         raise CurKVError(f"--examples must be at least 1, got {examples}")
     if continuation_length < 2:
-        raise CurKVError(f"--continuation-length must be at least 2 (one scored prediction), got "
+        raise CurKVError(f"--continuation_length must be at least 2 (one scored prediction), got "
                          f"{continuation_length}")
     if "repeated_span" in tasks and continuation_length < SPAN_CUE + 2:
-        raise CurKVError(f"repeated_span needs --continuation-length >= {SPAN_CUE + 2} (an {SPAN_CUE}-token cue "
+        raise CurKVError(f"repeated_span needs --continuation_length >= {SPAN_CUE + 2} (an {SPAN_CUE}-token cue "
                          f"plus the copy), got {continuation_length}")
     settings.check_context(context_length)
     if "passkey" in tasks:
         for length in passkey_lengths:
             settings.check_context(length, "passkey context")
         if not passkey_depths or any(not 0.0 <= depth <= 1.0 for depth in passkey_depths):
-            raise CurKVError(f"--passkey-depths must lie in [0, 1], got {passkey_depths}")
+            raise CurKVError(f"--passkey_depths must lie in [0, 1], got {passkey_depths}")
 
 
 def _scorer_fallback(scorer: Scorer | None) -> str | None:

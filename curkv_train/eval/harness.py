@@ -87,7 +87,7 @@ class EvalSettings:
         if context_length <= self.n_sink + self.window:
             raise CurKVError(f"{what} length {context_length} must exceed n_sink + window "
                              f"({self.n_sink} + {self.window}); nothing would be compressed at any ratio. "
-                             "Raise --context-length or lower --window / --n-sink")
+                             "Raise --context_length or lower --window / --n_sink")
 
 
 def score_layers(model: PreTrainedModel, context: Prefill, methods: dict[str, ScoreFunction | None],

@@ -13,10 +13,10 @@ ratio 1 − ratio, the runtime cache's ``keep_ratio``) or a fixed budget (``max_
 
 - ``full``: transformers' DynamicCache, nothing dropped;
 - ``streaming_llm``: sinks + the most recent tokens (a :class:`RecencyCache` without tiers or
-  observation: the same tokens held as ``curkv_dense``, fewer bytes);
-- ``curkv_dense``: CurKVCache with the trained scorer, dense tiers only (``cold=False``);
-- ``curkv_cold``: + the cold CUR tier, without residual compensation;
-- ``curkv``: the runtime defaults (cold tier + compensation);
+  observation: the same tokens held as ``curkv``, fewer bytes);
+- ``curkv``: CurKVCache with the trained scorer at the runtime defaults (dense tiers only);
+- ``curkv_cold``: + the opt-in cold CUR tier, without residual compensation;
+- ``curkv_compensated``: + the cold tier with residual compensation;
 - ``recency``: ``curkv``'s cache with score = position: the same tiers, selection and bytes,
   the newest tokens kept instead of the best-scored ones (the learned choice against recency
   at equal bytes);
@@ -69,9 +69,9 @@ from curkv_train.runtime.scorer import Scorer
 
 # task -> the document source kind it reads
 STREAM_TASKS = {"stream_text": PYTHON_TEXT, "stream_code": "stdlib"}
-FULL, STREAMING_LLM, CURKV_DENSE, CURKV_COLD, CURKV, RECENCY = (
-    "full", "streaming_llm", "curkv_dense", "curkv_cold", "curkv", "recency")
-METHODS = (FULL, STREAMING_LLM, CURKV_DENSE, CURKV_COLD, CURKV, RECENCY)
+FULL, STREAMING_LLM, CURKV, CURKV_COLD, CURKV_COMPENSATED, RECENCY = (
+    "full", "streaming_llm", "curkv", "curkv_cold", "curkv_compensated", "recency")
+METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_COLD, CURKV_COMPENSATED, RECENCY)
 PRESS_PREFIX = "kvpress:decoding/"
 # ScorerPresses DecodingPress runs over (names of kvpress_bridge.PRESSES), and those it cannot, with why
 DECODING_PRESSES = ("expected_attention", "snapkv", "knorm")
@@ -291,9 +291,9 @@ def stream_methods(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: 
                StreamMethod(STREAMING_LLM, recency(cold=False, observe=False))]
     if main:
         scorer = scorers[main]
-        methods += [StreamMethod(CURKV_DENSE + suffix, curkv(scorer, cold=False)),
-                    StreamMethod(CURKV_COLD + suffix, curkv(scorer, compensation=False)),
-                    StreamMethod(main, curkv(scorer))]
+        methods += [StreamMethod(main, curkv(scorer)),
+                    StreamMethod(CURKV_COLD + suffix, curkv(scorer, cold=True, compensation=False)),
+                    StreamMethod(CURKV_COMPENSATED + suffix, curkv(scorer, cold=True))]
     methods.append(StreamMethod(RECENCY, recency()))
     methods += [StreamMethod(name, curkv(scorer)) for name, scorer in scorers.items() if name != main]
     skipped = {}

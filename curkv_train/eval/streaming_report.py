@@ -89,8 +89,8 @@ def streaming_markdown(streaming: dict) -> list[str]:
              "independent, so these intervals are narrower than intervals over documents.", ""]
     if any(setting.get("max_tokens") or setting.get("max_bytes") for setting in streaming.get("settings", [])):
         lines += ["Under a fixed budget every cache runs at keep ratio 1.0, and the runtime CurKVCache forms its "
-                  "cold tier only while its keep ratio is below 1: in the budget columns `curkv_cold` and `curkv` "
-                  "hold what `curkv_dense` holds.", ""]
+                  "cold tier only while its keep ratio is below 1: in the budget columns `curkv_cold` and "
+                  "`curkv_compensated` hold what `curkv` holds.", ""]
     lines += _summary(streaming)
     for method, reason in (streaming.get("skipped") or {}).items():
         lines += [f"`{method}` did not run: {reason}.", ""]

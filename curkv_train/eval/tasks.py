@@ -175,7 +175,7 @@ def _block_starts(stream_length: int, length: int, examples: int, seed: int, tas
     them (the bootstrap treats examples as independent), random offsets for the examples beyond that."""
     if stream_length < length:
         raise CurKVError(f"the held-out stream has {stream_length} tokens, fewer than one example of {length}; "
-                         "lower --context-length / --continuation-length")
+                         "lower --context_length / --continuation_length")
     slots = stream_length // length
     disjoint = random.Random(f"curkv-eval/{seed}/{task}/blocks").sample(range(slots), min(examples, slots))
     extra = [_rng(seed, task, index).randrange(0, stream_length - length + 1) for index in range(slots, examples)]
@@ -229,7 +229,7 @@ def check_example(example: TaskExample, continuation_length: int) -> None:
     if total != example.context_length + continuation_length:
         raise CurKVError(f"{example.task}: a context of {example.context_length} tokens cannot hold the task's "
                          f"text after the protected sinks and window (got {total - continuation_length} "
-                         "tokens); raise --context-length / --passkey-lengths")
+                         "tokens); raise --context_length / --passkey_lengths")
     if example.answer is not None and not 1 <= example.answer[0] < example.answer[1] <= continuation_length:
         raise CurKVError(f"{example.task}: the question and answer need {example.answer[1]} continuation tokens, "
-                         f"more than --continuation-length {continuation_length}")
+                         f"more than --continuation_length {continuation_length}")

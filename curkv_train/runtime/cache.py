@@ -7,8 +7,11 @@ Per layer the cache holds, per (batch, KV head):
   with ``hot=False``), never evicted;
 - **warm**: older tokens the estimator kept (top-k by score), dense, at most
   ⌈ρ·warm_windows·window⌉ of them when the cold tier is on;
-- **cold**: warm overflow, oldest first, held as CUR factors (+ sparse residual) per
-  block of at least ``cold_block`` tokens (:mod:`curkv_train.runtime.cur`).
+- **cold** (opt-in, ``cold=True``): warm overflow, oldest first, held as CUR factors
+  (+ sparse residual) per block of at least ``cold_block`` tokens (:mod:`curkv_train.runtime.cur`).
+  Off by default: it holds fewer bytes than the dense tiers at the same keep ratio, but
+  on SmolLM2-135M it costs quality and decode speed (docs/runtime.md has the figures);
+  without it every kept token stays dense.
 
 Compression runs after prefill and again each time ``window`` new tokens have
 arrived: the tokens that left the hot tier join the warm ones, are re-scored at the
@@ -415,7 +418,7 @@ class CurKVCache(Cache):
             off = kept tokens go straight to the cold tier. Matters only with ``cold`` on:
             without a cold tier every kept token stays dense.
         warm_windows: size of the warm tier's span in windows.
-        cold: factor warm overflow into CUR blocks (not while ρ = 1).
+        cold: factor warm overflow into CUR blocks (not while ρ = 1); off by default (see above).
         cold_block: least tokens per cold block (default 4 windows).
         cold_rows, cold_channels: CUR ranks r (tokens) and c (channels); default head_dim // 2.
         cold_core: ``optimal`` or ``intersection`` (see :mod:`curkv_train.runtime.cur`).
@@ -437,7 +440,7 @@ class CurKVCache(Cache):
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
                  keep_ratio: float | str = ADAPTIVE, *, n_sink: int | None = None, window: int | None = None,
                  hot: bool = True, hot_windows: int = 3, warm: bool = True, warm_windows: int = 10,
-                 cold: bool = True, cold_block: int | None = None, cold_rows: int | None = None,
+                 cold: bool = False, cold_block: int | None = None, cold_rows: int | None = None,
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
                  compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
                  backend: str = "auto", factored_attention: bool = True) -> None:

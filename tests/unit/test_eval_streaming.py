@@ -16,7 +16,7 @@ from curkv_train.eval.heldout import PYTHON_TEXT, HeldOutDocument, python_text_d
 from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.streaming import (
     CURKV,
-    CURKV_DENSE,
+    CURKV_COMPENSATED,
     FULL,
     PRESS_PREFIX,
     RECENCY,
@@ -71,7 +71,7 @@ def test_at_keep_one_every_method_equals_the_full_cache(model, scorer):
     methods, _ = methods_by_name(model, scorer, settings)
     ids = tokens(260, seed=1)
     full = stream_document(model, methods[FULL].build(settings.memory[0]), ids, PREFIX, WINDOW)
-    assert {STREAMING_LLM, CURKV_DENSE, "curkv_cold", CURKV, RECENCY} <= set(methods)
+    assert {STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV, RECENCY} <= set(methods)
     for name, method in methods.items():
         trace = stream_document(model, method.build(settings.memory[0]), ids, PREFIX, WINDOW)
         np.testing.assert_allclose(trace.nll, full.nll, atol=2e-5, err_msg=name)
@@ -238,7 +238,7 @@ def test_streaming_through_the_cli(tmp_path, capsys):
     assert [setting["label"] for setting in streaming["settings"]] == ["0.5", "150 tokens"]
     assert streaming["documents"]["stream_text"][0]["sources"][0].startswith(f"{PYTHON_TEXT}/")
     assert streaming["documents"]["stream_code"][0]["sources"][0].startswith("stdlib/")
-    assert {row["method"] for row in streaming["rows"]} == {FULL, STREAMING_LLM, CURKV_DENSE, "curkv_cold", CURKV,
+    assert {row["method"] for row in streaming["rows"]} == {FULL, STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV,
                                                            RECENCY}
     markdown = (run / "results.md").read_text()
     assert "## Streaming" in markdown and "### stream_code" in markdown and "| recency |" in markdown

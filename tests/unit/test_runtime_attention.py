@@ -35,20 +35,20 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_installation_is_idempotent_and_wraps_the_implementation(model, scorer):
-    CurKVCache(scorer, model=model, keep_ratio=0.5)
+    CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True)
     hooks = [getattr(module, HOOK_ATTRIBUTE) for module in attention_modules(model)]
     counts = [len(module._forward_pre_hooks) for module in attention_modules(model)]
-    CurKVCache(scorer, model=model, keep_ratio=0.5)
+    CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True)
     assert model.config._attn_implementation == "curkv_factored_sdpa"
     assert [getattr(module, HOOK_ATTRIBUTE) for module in attention_modules(model)] == hooks
     assert [len(module._forward_pre_hooks) for module in attention_modules(model)] == counts
     model.set_attn_implementation("eager")
-    assert CurKVCache(scorer, model=model).factored_attention
+    assert CurKVCache(scorer, model=model, cold=True).factored_attention
     assert model.config._attn_implementation == "curkv_factored_eager"
 
 
 def test_hook_records_the_layer_of_a_curkv_cache_only(model, scorer):
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch")
     modules = attention_modules(model)
     with torch.no_grad():
         model(prompt(40), past_key_values=cache)
@@ -67,7 +67,7 @@ def step_pair(model, caches, ids, seen):
 def test_factored_generation_matches_the_reconstructing_path(model, scorer, implementation):
     """Same logits (fp32 tolerance) and the same greedy tokens, decode steps and a 5-token chunk, cold blocks present."""
     model.set_attn_implementation(implementation)
-    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", factored_attention=factored)
+    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch", factored_attention=factored)
               for factored in (True, False)]
     ids, seen = prompt(500), 0
     chunk = prompt(5, seed=1)
@@ -85,7 +85,7 @@ def test_factored_generation_matches_the_reconstructing_path(model, scorer, impl
 
 def test_triton_backend_runs_the_factored_path(model, scorer):
     """backend='auto' (the Triton kernels under TRITON_INTERPRET=1) against the torch reference path."""
-    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, backend=backend) for backend in ("torch", "auto")]
+    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend=backend) for backend in ("torch", "auto")]
     ids, seen = prompt(500), 0
     with torch.no_grad():
         for _ in range(3):
@@ -116,7 +116,7 @@ class LargestNewStorage(TorchDispatchMode):
 def test_a_decode_step_allocates_no_dense_copy_of_the_cold_blocks(model, scorer, factored, monkeypatch):
     """With factored attention update returns the dense tokens only, nothing rebuilds a cold block, and no
     op of the step allocates as much as one cold K (or V); the reconstructing path does (the control)."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", factored_attention=factored)
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch", factored_attention=factored)
     with torch.no_grad():
         token = model(prompt(1000), past_key_values=cache).logits[:, -1:].argmax(-1)
     layer = cache.layers[0]

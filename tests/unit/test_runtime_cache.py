@@ -163,7 +163,7 @@ def test_budget_smaller_than_what_every_layer_holds_is_refused(model, scorer, bu
 def test_tiers_hold_fewer_bytes_and_still_generate(model, scorer):
     ids = prompt(500)
     plain = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", cold=False)
-    tiered = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    tiered = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", cold=True)
     greedy(model, ids, plain, new=2 * WINDOW)
     tokens = greedy(model, ids, tiered, new=2 * WINDOW)
     assert tokens.shape == (1, 500 + 2 * WINDOW)
@@ -177,7 +177,7 @@ def test_compensation_and_warm_switches(model, scorer):
     ids = prompt(500)
     held = {}
     for name, options in {"all": {}, "no_comp": {"compensation": False}, "no_warm": {"warm": False}}.items():
-        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **options)
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", cold=True, **options)
         with torch.no_grad():
             model(ids, past_key_values=cache)
         held[name] = (cache.nbytes(), cache.tier_sizes(0))
