@@ -103,6 +103,7 @@ def run_eval(
     passkey_lengths: IntList | None = None,
     kvpress: bool = False,
     kvpress_budget: Literal["matched", "nominal"] = "matched",
+    kvpress_presses: NameList | None = None,
     dtype: Literal["float32", "bfloat16", "float16"] = "float32",
     backend: Literal["auto", "torch", "triton"] = "auto",
     batch: int = 8,
@@ -143,6 +144,9 @@ def run_eval(
         kvpress: also run kvpress's own presses as ``kvpress:<name>`` rows (cross-check); in the streaming
             task, kvpress's DecodingPress over its ScorerPresses.
         kvpress_budget: ``matched`` (presses keep as many tokens as our path) or ``nominal``.
+        kvpress_presses: comma-separated subset of kvpress's presses (streaming_llm, snapkv, tova, knorm,
+            expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff,
+            lagkv, adakv, kvzip); default every one the installed kvpress provides. Prefill tasks only.
         dtype: base model dtype (float32, bfloat16, float16).
         backend: compaction kernel backend (auto, torch, triton).
         batch: continuations of equal cache length run together, at most this many per forward
@@ -176,7 +180,8 @@ def run_eval(
     method_names = check_methods(list(methods) if methods else [FULL, *BASELINES, *(SCORER_METHODS if entries else [])],
                                  bool(entries))
     settings = EvalSettings(list(ratios), n_sink=n_sink, window=window, seed=seed, backend=backend,
-                            kvpress=kvpress, kvpress_budget=kvpress_budget, max_batch=batch)
+                            kvpress=kvpress, kvpress_budget=kvpress_budget,
+                            kvpress_presses=list(kvpress_presses) if kvpress_presses else None, max_batch=batch)
     lengths = list(passkey_lengths) if passkey_lengths else _default_passkey_lengths(context_length, settings)
     if prefill_tasks:
         _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths),
@@ -229,7 +234,8 @@ def run_eval(
               "methods": [*score_functions, *cache_methods], "context_length": context_length,
               "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,
               "window": window, "passkey_depths": list(passkey_depths), "passkey_lengths": lengths,
-              "kvpress": kvpress, "kvpress_budget": kvpress_budget, "dtype": dtype, "backend": backend, "batch": batch,
+              "kvpress": kvpress, "kvpress_budget": kvpress_budget,
+              "kvpress_presses": settings.kvpress_presses, "dtype": dtype, "backend": backend, "batch": batch,
               "stream": {"length": stream_length, "prefix": stream_prefix, "chunk": stream_chunk,
                          "documents": stream_documents, "segment": stream_segment,
                          "budget_tokens": list(budget_tokens or []), "budget_bytes": list(budget_bytes or [])}

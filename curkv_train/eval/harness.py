@@ -53,6 +53,7 @@ class EvalSettings:
         seed: base seed (random method, kvpress presses that sample).
         backend: compaction kernel backend (auto, torch, triton).
         kvpress: also run kvpress's own presses (rows ``kvpress:<name>``).
+        kvpress_presses: which presses (names of :data:`kvpress_bridge.PRESSES`); None: every installed one.
         kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
         max_batch: continuations of equal kept length run together, at most this many per forward.
         resamples: bootstrap resamples of the examples behind every interval (seeded by ``seed``).
@@ -66,6 +67,7 @@ class EvalSettings:
     backend: str = "auto"
     kvpress: bool = False
     kvpress_budget: str = "matched"
+    kvpress_presses: list[str] | None = None
     max_batch: int = 8
     resamples: int = 2000
     bootstrap: Bootstrap = field(init=False, repr=False)
@@ -81,6 +83,8 @@ class EvalSettings:
         if self.kvpress_budget not in kvpress_bridge.BUDGETS:
             raise CurKVError(f"unknown kvpress budget {self.kvpress_budget!r}; expected one of "
                              f"{', '.join(kvpress_bridge.BUDGETS)}")
+        if self.kvpress:
+            self.kvpress_presses = kvpress_bridge.select_presses(self.kvpress_presses)
 
     def check_context(self, context_length: int, what: str = "context") -> None:
         """A CurKVError unless ``context_length`` leaves compressible tokens after sinks and window."""
@@ -197,7 +201,7 @@ def _press_entries(model: PreTrainedModel, context_ids: torch.Tensor, continuati
     length = context_ids.shape[1]
     shape = kv_shape(model.config)
     entries = []
-    for name in kvpress_bridge.available_presses():
+    for name in settings.kvpress_presses:
         spec = kvpress_bridge.PRESSES[name]
         press_ratio = kvpress_bridge.press_ratio(
             length, ratio, n_sink=settings.n_sink, window=settings.window, budget=settings.kvpress_budget,

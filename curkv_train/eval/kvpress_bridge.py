@@ -103,6 +103,19 @@ def available_presses() -> list[str]:
     return [name for name, spec in PRESSES.items() if hasattr(kvpress, spec.cls)]
 
 
+def select_presses(names: list[str] | None) -> list[str]:
+    """The installed presses among ``names`` (None: every installed one), in :data:`PRESSES` order;
+    a CurKVError for a name that is not a known press or that this kvpress lacks."""
+    installed = available_presses()
+    if names is None:
+        return installed
+    unknown = [name for name in names if name not in installed]
+    if unknown:
+        raise CurKVError(f"unknown or unavailable kvpress press(es) {', '.join(map(repr, unknown))}; "
+                         f"this kvpress provides: {', '.join(installed)}")
+    return [name for name in installed if name in names]
+
+
 def masked_presses() -> list[str]:
     """Names of the presses that mask keys instead of dropping them (their memory is not freed)."""
     return [name for name, spec in PRESSES.items() if spec.masked]

@@ -7,6 +7,7 @@ import torch
 
 kvpress = pytest.importorskip("kvpress")
 
+from curkv_train.errors import CurKVError  # noqa: E402
 from curkv_train.core.observation import attention_modules  # noqa: E402
 from curkv_train.core.selection import expected_kept  # noqa: E402
 from curkv_train.core.shapes import kv_shape  # noqa: E402
@@ -220,3 +221,17 @@ def top_k_overlap(ours: torch.Tensor, theirs: torch.Tensor, kept: int) -> float:
         indices = scores.topk(kept, dim=-1).indices
         return {(b, h, int(i)) for b in range(indices.shape[0]) for h in range(indices.shape[1]) for i in indices[b, h]}
     return len(chosen(ours) & chosen(theirs)) / len(chosen(theirs))
+
+
+def test_a_press_subset_runs_only_those_presses(model):
+    settings = EvalSettings([0.5], n_sink=N_SINK, window=WINDOW, kvpress=True, backend="torch",
+                            kvpress_presses=["tova", "snapkv"])
+    assert settings.kvpress_presses == ["snapkv", "tova"]  # kvpress_bridge.PRESSES order
+    methods = build_methods(["full"], None, n_sink=N_SINK, window=WINDOW)
+    results = evaluate(model, {"ppl_text": examples(1)}, methods, settings, tokenizer=load_tokenizer(TINY_RANDOM))
+    assert {row["method"] for row in results["rows"]} == {"full", "kvpress:snapkv", "kvpress:tova"}
+
+
+def test_an_unknown_press_is_one_clear_error():
+    with pytest.raises(CurKVError, match="unknown or unavailable kvpress press.*'snapkvv'"):
+        EvalSettings([0.5], kvpress=True, kvpress_presses=["snapkvv"])
