@@ -20,6 +20,7 @@ from pathlib import Path
 
 from curkv_train.core.atomic import atomic_folder, write_atomic
 from curkv_train.eval.aggregate import BUDGET_METRICS
+from curkv_train.eval.figures import figure_png, finite, signed
 from curkv_train.eval.methods import CURKV, CURKV_CACHE, FULL
 from curkv_train.eval.statistics import LOWER_IS_BETTER
 from curkv_train.eval.streaming_report import streaming_markdown, streaming_pngs
@@ -80,12 +81,8 @@ def task_metrics(rows: list[dict], task: str, main: str) -> list[str]:
     return sorted(quality, key=lambda name: (name != main, "@" in name, quality.index(name)))
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _number(value: float | None, name: str, digits: int = 4) -> str:
-    if not _finite(value):
+    if not finite(value):
         return "–"
     if name == "kv_bytes":
         return f"{value / 2**20:.2f} MiB"
@@ -97,13 +94,9 @@ def _number(value: float | None, name: str, digits: int = 4) -> str:
 def _cell(value: float | None, name: str, interval: list | None = None) -> str:
     """``value [low, high]`` (or the value alone without an interval); bounds to 3 significant digits."""
     text = _number(value, name)
-    if interval and _finite(value) and all(_finite(bound) for bound in interval):
+    if interval and finite(value) and all(finite(bound) for bound in interval):
         text += f" [{_number(interval[0], name, 3)}, {_number(interval[1], name, 3)}]"
     return text
-
-
-def _signed(value: float) -> str:
-    return f"{value:+.3g}"
 
 
 def curkv_summary(results: dict) -> list[str]:
@@ -118,8 +111,8 @@ def curkv_summary(results: dict) -> list[str]:
     for entry in entries:
         name = entry["metric"]
         difference = entry["difference_interval"]
-        delta = _signed(entry["difference"]) + (f" [{_signed(difference[0])}, {_signed(difference[1])}]"
-                                                if all(_finite(bound) for bound in difference) else "")
+        delta = signed(entry["difference"]) + (f" [{signed(difference[0])}, {signed(difference[1])}]"
+                                                if all(finite(bound) for bound in difference) else "")
         lines.append(f"| {entry['task']} | {name}{' (lower is better)' if name in LOWER_IS_BETTER else ''} "
                      f"| {entry['ratio']:g} | {_cell(entry[ours], name, entry.get(f'{ours}_interval'))} "
                      f"| {entry['baseline']} {_cell(entry['baseline_value'], name, entry.get('baseline_interval'))} "
@@ -192,10 +185,10 @@ def _prefill_note(rows: list[dict]) -> list[str]:
             continue
         for index, value in enumerate(row.get("example_sums", {}).get("prefill_seconds") or []):
             reference = plain.get(row["task"], [])
-            if _finite(value) and index < len(reference) and _finite(reference[index]) and reference[index] > 0:
+            if finite(value) and index < len(reference) and finite(reference[index]) and reference[index] > 0:
                 seconds.setdefault(row["method"], []).append(value)
                 ratios.setdefault(row["method"], []).append(value / reference[index])
-    everything = [value for values in plain.values() for value in values if _finite(value)]
+    everything = [value for values in plain.values() for value in values if finite(value)]
     if not seconds or not everything:
         return []
     listed = ", ".join(f"`{name}` {statistics.median(seconds[name]):.3g} s ({statistics.median(ratios[name]):.1f}×)"
@@ -246,7 +239,7 @@ def results_markdown(results: dict, config: dict) -> str:
         for name in task_metrics(rows, task, main):
             lines += _table(table, methods, ratios, task, name, with_intervals="@" not in name)
         for name in BUDGET_TABLES:
-            if any(_finite(row["metrics"].get(name)) for row in rows if row["task"] == task):
+            if any(finite(row["metrics"].get(name)) for row in rows if row["task"] == task):
                 lines += _table(table, methods, ratios, task, name, with_intervals=False)
     seconds = ", ".join(f"{task} {value:.1f} s" for task, value in results["seconds_per_example"].items())
     if seconds:
@@ -263,8 +256,6 @@ def _slug(text: str) -> str:
 def plot_pngs(results: dict) -> dict[str, bytes]:
     """PNG bytes by file name ``<task>__<metric>.png``: metric vs compression ratio, a line per method
     (error bars: the bootstrap intervals)."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -285,24 +276,16 @@ def plot_pngs(results: dict) -> dict[str, bytes]:
                     continue
                 points = [(ratio, _metric(table, method, ratio, task, name),
                            _row(table, method, ratio, task).get("intervals", {}).get(name)) for ratio in ratios]
-                points = [(x, y, bounds) for x, y, bounds in points if _finite(y)]
+                points = [(x, y, bounds) for x, y, bounds in points if finite(y)]
                 if points:
-                    errors = [[y - bounds[0], bounds[1] - y] if bounds and all(map(_finite, bounds)) else [0.0, 0.0]
+                    errors = [[y - bounds[0], bounds[1] - y] if bounds and all(map(finite, bounds)) else [0.0, 0.0]
                               for _, y, bounds in points]
                     style = ":" if method.startswith(PRESS_PREFIX) else "-"
                     axes.errorbar([x for x, _, _ in points], [y for _, y, _ in points],
                                   yerr=[[max(0.0, e[0]) for e in errors], [max(0.0, e[1]) for e in errors]],
                                   fmt=style, marker="o", capsize=2, label=method)
-            axes.set_xlabel("compression ratio")
-            axes.set_ylabel(name)
-            axes.set_title(f"{task}: {name}")
-            axes.grid(alpha=0.3)
-            axes.legend(fontsize=7, ncol=2)
-            figure.tight_layout()
-            buffer = io.BytesIO()
-            figure.savefig(buffer, format="png", dpi=100)
-            plt.close(figure)
-            pngs[f"{_slug(task)}__{_slug(name)}.png"] = buffer.getvalue()
+            pngs[f"{_slug(task)}__{_slug(name)}.png"] = figure_png(
+                figure, axes, xlabel="compression ratio", ylabel=name, title=f"{task}: {name}")
     return pngs
 
 

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import io
-import math
 
+from curkv_train.eval.figures import figure_png, finite, signed
 from curkv_train.eval.streaming import FULL, PRESS_PREFIX
 
 MAIN = "ppl_increase_pct"
 
 
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _signed(value: float) -> str:
-    return f"{value:+.3g}"
-
-
 def _with_interval(value, interval, digits: str = ".3g") -> str:
-    if not _finite(value):
+    if not finite(value):
         return "–"
     text = f"{value:{digits}}"
-    if interval and all(_finite(bound) for bound in interval):
+    if interval and all(finite(bound) for bound in interval):
         text += f" [{interval[0]:.3g}, {interval[1]:.3g}]"
     return text
 
@@ -59,8 +50,8 @@ def _summary(streaming: dict) -> list[str]:
              "bytes held % (scorer / baseline) |", "|---|---|---|---|---|---|---|---|"]
     for entry in entries:
         low, high = entry["difference_interval"]
-        difference = _signed(entry["difference"]) + (f" [{_signed(low)}, {_signed(high)}]"
-                                                     if _finite(low) and _finite(high) else "")
+        difference = signed(entry["difference"]) + (f" [{signed(low)}, {signed(high)}]"
+                                                     if finite(low) and finite(high) else "")
         lines.append(f"| {entry['task']} | {entry['setting']} | {entry['method']} {entry['value']:.3g} | "
                      f"{'equal bytes: ' if entry['against'] == 'recency' else 'best: '}{entry['baseline']} | "
                      f"{entry['baseline_value']:.3g} | {difference} | {entry['verdict']} | "
@@ -132,22 +123,15 @@ def streaming_pngs(streaming: dict) -> dict[str, bytes]:
         for method in _methods(all_rows):
             points = sorted((row["metrics"]["kv_bytes_pct"], row["metrics"][MAIN], row["intervals"].get(MAIN))
                             for row in all_rows if row["task"] == task and row["method"] == method
-                            and _finite(row["metrics"].get(MAIN)) and _finite(row["metrics"].get("kv_bytes_pct")))
+                            and finite(row["metrics"].get(MAIN)) and finite(row["metrics"].get("kv_bytes_pct")))
             if not points:
                 continue
-            errors = [[max(0.0, y - b[0]), max(0.0, b[1] - y)] if b and all(map(_finite, b)) else [0.0, 0.0]
+            errors = [[max(0.0, y - b[0]), max(0.0, b[1] - y)] if b and all(map(finite, b)) else [0.0, 0.0]
                       for _, y, b in points]
             axes.errorbar([x for x, _, _ in points], [y for _, y, _ in points],
                           yerr=[[e[0] for e in errors], [e[1] for e in errors]],
                           fmt=":" if method.startswith(PRESS_PREFIX) else "-", marker="o", capsize=2, label=method)
-        axes.set_xlabel("bytes held, % of the full cache (mean over steps)")
-        axes.set_ylabel("perplexity increase % vs full")
-        axes.set_title(f"{task}: quality vs memory")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=7, ncol=2)
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=100)
-        plt.close(figure)
-        pngs[f"streaming__{task}.png"] = buffer.getvalue()
+        pngs[f"streaming__{task}.png"] = figure_png(
+            figure, axes, xlabel="bytes held, % of the full cache (mean over steps)",
+            ylabel="perplexity increase % vs full", title=f"{task}: quality vs memory")
     return pngs
