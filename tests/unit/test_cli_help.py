@@ -13,12 +13,13 @@ from curkv_train.recipes import list_recipes
 
 # Subcommand -> options its --help must list (all generated from signatures and docstrings).
 HELP_PAGES = {
-    "": ["fit", "validate", "export", "eval", "plan", "recipes"],
+    "": ["fit", "validate", "export", "eval", "compare", "plan", "recipes"],
     "fit": ["--recipe", "--trainer.max_steps", "--model.keep_ratio", "--data.context_length", "--ckpt_path",
             "--checkpoint.every_n_train_steps", "--throughput.window_size", "--output_guard.min_free_gb"],
     "validate": ["--recipe", "--ckpt_path", "--model.base_model", "--data.val_size"],
     "export": ["--ckpt", "--out", "--base_model", "--overwrite"],
     "eval": [f"--{name}" for name in inspect.signature(run_eval).parameters],
+    "compare": ["--run", "--pairs"],
     "plan": ["--recipe", "--devices", "--num_nodes", "--batch_size", "--json"],
     "recipes": ["List the recipes"],
 }

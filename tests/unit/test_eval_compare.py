@@ -1,0 +1,47 @@
+"""curkv-train compare: paired differences between two methods of a run, and its errors."""
+
+import json
+
+import pytest
+
+from curkv_train.errors import CurKVError
+from curkv_train.eval.compare import compare, compare_methods
+
+EXAMPLES = 40
+
+
+def passkey_row(method: str, hits: int) -> dict:
+    exact = [1.0] * hits + [0.0] * (EXAMPLES - hits)
+    return {"method": method, "ratio": 0.5, "task": "passkey", "metrics": {"accuracy": hits / EXAMPLES},
+            "example_sums": {"answer_exact": exact, "examples": [1.0] * EXAMPLES}}
+
+
+def results(hits_a: int, hits_b: int) -> dict:
+    return {"rows": [passkey_row("a", hits_a), passkey_row("b", hits_b)], "main_metric": {"passkey": "accuracy"},
+            "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0}}
+
+
+def test_a_clear_gap_is_a_win_for_the_first_and_a_loss_reversed():
+    entry, = compare_methods(results(36, 8), "a", "b")
+    assert entry["difference"] == pytest.approx(0.7) and entry["verdict"] == "wins"
+    assert entry["interval"][0] > 0
+    assert compare_methods(results(36, 8), "b", "a")[0]["verdict"] == "loses"
+
+
+def test_equal_methods_tie():
+    assert compare_methods(results(20, 20), "a", "b")[0]["verdict"].startswith("ties")
+
+
+def test_a_method_not_in_the_run_is_named_in_one_error():
+    with pytest.raises(CurKVError, match="'c' not in this run; it has: a, b"):
+        compare_methods(results(20, 20), "a", "c")
+
+
+def test_the_command_prints_a_table_and_refuses_a_bad_pair(tmp_path, capsys):
+    (tmp_path / "results.json").write_text(json.dumps(results(36, 8)))
+    compare(str(tmp_path), ["a..b"])
+    assert "| a | b | passkey | 0.5 | 0.9 | 0.2 | +0.7" in capsys.readouterr().out
+    with pytest.raises(CurKVError, match="METHOD..METHOD"):
+        compare(str(tmp_path), ["a-b"])
+    with pytest.raises(CurKVError, match="no results.json"):
+        compare(str(tmp_path / "missing"), ["a..b"])
