@@ -187,6 +187,9 @@ def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool
     config = base_config(base_model or model_id, None if base_model else hp.get("base_fallback"))
     last_step = {**{"keep_ratio": hp.get("keep_ratio", 0.5), "temperature": hp.get("temperature", 1.0)},
                  **(checkpoint.get(SETTINGS_KEY) or {})}
+    sampled = (last_stage(checkpoint) or {}).get("compression_range")
+    if sampled:  # one ratio drawn per step: the last draw says nothing, the range's middle does
+        last_step["keep_ratio"] = 1.0 - sum(sampled) / 2
     scorer = Scorer(restore_estimator(checkpoint, config), key_view=hp.get("key_view", "pre_rope"),
                     n_sink=hp.get("n_sink", 4), window=hp.get("window", 64),
                     keep_ratio=last_step["keep_ratio"], temperature=last_step["temperature"])

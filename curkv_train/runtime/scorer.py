@@ -23,7 +23,8 @@ class Scorer:
         key_view: pre_rope, end_relative or post_rope (how keys are presented to it).
         n_sink, window: the always-kept spans it was trained with.
         metadata: everything else recorded at export (fingerprint, recipe, metrics).
-        keep_ratio: the keep ratio ρ its last training stage used (the first, if it sampled several).
+        keep_ratio: the keep ratio ρ of its last training step; the middle of the keep ratios of a last
+            stage that drew a compression ratio per step (scorer.json's training.last_stage has the range).
         temperature: the score temperature T of its last training stage (s = σ(z / T)).
     """
 

@@ -180,3 +180,22 @@ def test_export_records_the_family_and_the_last_stage_settings(family, tmp_path,
     assert scorer.family == family
     for name, tensor in module.estimator.state_dict().items():
         assert torch.equal(scorer.estimator.state_dict()[name], tensor)
+
+
+def test_a_sampled_last_stage_records_the_middle_of_its_keep_ratios(tmp_path):
+    from dataclasses import asdict
+
+    from curkv_train.objective import TrainingSettings
+    from curkv_train.system import SETTINGS_KEY, CurKVModule
+
+    module = CurKVModule(base_model=TINY_RANDOM, window=16, keep_ratio=0.5)
+    module.configure_model()
+    state = {k: v for k, v in module.state_dict().items() if k.startswith(("estimator.", "budget."))}
+    stages = [{"steps": 4, "compression_range": [0.3, 0.8], "hard_topk": True}]
+    checkpoint = {"state_dict": state, "hyper_parameters": dict(module.hparams), "global_step": 4,
+                  SETTINGS_KEY: asdict(TrainingSettings(keep_ratio=0.6672, hard_topk=True)),
+                  "callbacks": {"Curriculum": {"stages": stages, "stage_index": 0}}}
+    torch.save(checkpoint, tmp_path / "last.ckpt")
+    record = json.loads((export(tmp_path / "last.ckpt", tmp_path / "scorer") / CONFIG_FILE).read_text())
+    assert record["settings"]["keep_ratio"] == pytest.approx(0.45)
+    assert record["training"]["last_stage"]["compression_range"] == [0.3, 0.8]
