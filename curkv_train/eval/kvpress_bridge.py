@@ -58,6 +58,8 @@ class PressSpec:
         masked: keeps the full cache and masks evicted keys (fake compression).
         global_budget: the compression ratio counts keys over all layers together.
         reads_tokenizer: loads a tokenizer from ``model.config.name_or_path``.
+        single_pass: scores from the one prefill; False for presses that run further passes over the
+            context (KVzip reconstructs it), reported beside the verdict but never its baseline.
     """
 
     cls: str
@@ -65,6 +67,7 @@ class PressSpec:
     masked: bool = False
     global_budget: bool = False
     reads_tokenizer: bool = False
+    single_pass: bool = True
 
 
 # our name -> how to run it
@@ -83,7 +86,7 @@ PRESSES = {
     "keydiff": PressSpec("KeyDiffPress"),
     "lagkv": PressSpec("LagKVPress"),
     "adakv": PressSpec("AdaKVPress", masked=True),
-    "kvzip": PressSpec("KVzipPress", masked=True, global_budget=True, reads_tokenizer=True),
+    "kvzip": PressSpec("KVzipPress", masked=True, global_budget=True, reads_tokenizer=True, single_pass=False),
 }
 BUDGETS = ("matched", "nominal")
 PREFIX = "kvpress:"
@@ -114,6 +117,11 @@ def select_presses(names: list[str] | None) -> list[str]:
         raise CurKVError(f"unknown or unavailable kvpress press(es) {', '.join(map(repr, unknown))}; "
                          f"this kvpress provides: {', '.join(installed)}")
     return [name for name in installed if name in names]
+
+
+def multi_pass_methods(names: list[str]) -> list[str]:
+    """The method names (``kvpress:NAME``) of the presses among ``names`` that take more than one pass."""
+    return [PREFIX + name for name in names if not PRESSES[name].single_pass]
 
 
 def masked_presses() -> list[str]:

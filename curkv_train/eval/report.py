@@ -119,8 +119,9 @@ def curkv_summary(results: dict) -> list[str]:
                      f"| {delta} | {entry['verdict']} |")
     bootstrap = results.get("bootstrap", {})
     confidence = 100 * bootstrap.get("confidence", 0.95)
-    lines += ["", f"Every compressing method but the scorers' own rows is a candidate baseline (kvpress's presses "
-              f"included); the best is the best point estimate. \"wins\" / \"loses\": the paired {confidence:g} % "
+    lines += ["", f"Every single-pass compressing method but the scorers' own rows is a candidate baseline "
+              f"(kvpress's presses included; KVzip, which reconstructs the context in further passes, is reported "
+              f"in the tables but is not a candidate); the best is the best point estimate. \"wins\" / \"loses\": the paired {confidence:g} % "
               f"bootstrap interval of {ours} − best (the same examples resampled for both, "
               f"{bootstrap.get('resamples', '?')} resamples) excludes 0 in curkv's favour / against it; otherwise a "
               "tie within noise.", ""]

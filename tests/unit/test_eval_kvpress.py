@@ -7,10 +7,10 @@ import torch
 
 kvpress = pytest.importorskip("kvpress")
 
-from curkv_train.errors import CurKVError  # noqa: E402
 from curkv_train.core.observation import attention_modules  # noqa: E402
 from curkv_train.core.selection import expected_kept  # noqa: E402
 from curkv_train.core.shapes import kv_shape  # noqa: E402
+from curkv_train.errors import CurKVError  # noqa: E402
 from curkv_train.eval import kvpress_bridge  # noqa: E402
 from curkv_train.eval.compressed import cache_from_layers, continuation_logits  # noqa: E402
 from curkv_train.eval.harness import EvalSettings, evaluate  # noqa: E402
@@ -235,3 +235,8 @@ def test_a_press_subset_runs_only_those_presses(model):
 def test_an_unknown_press_is_one_clear_error():
     with pytest.raises(CurKVError, match="unknown or unavailable kvpress press.*'snapkvv'"):
         EvalSettings([0.5], kvpress=True, kvpress_presses=["snapkvv"])
+
+
+def test_kvzip_is_the_multi_pass_press_kept_out_of_the_single_pass_verdict():
+    assert kvpress_bridge.multi_pass_methods(["snapkv", "kvzip", "compactor"]) == ["kvpress:kvzip"]
+    assert kvpress_bridge.multi_pass_methods(kvpress_bridge.available_presses()) == ["kvpress:kvzip"]
