@@ -152,7 +152,8 @@ def _notes(results: dict, config: dict) -> list[str]:
                      "context prefilled into the cache at the column's keep ratio, then the continuation fed a window "
                      "at a time through the same cache, which keeps compressing as during generation. Its hot tier "
                      "(3 windows) is protected besides the sinks, so it holds more tokens than the bare selection "
-                     "at the same ratio, and its cold tier holds them in fewer bytes: read the budget tables.")
+                     "at the same ratio, and its bytes include the observation (window queries and query moments per "
+                     "layer, a fixed cost that does not grow with the context): read the budget tables.")
     masked = results.get("masked_methods") or []
     if masked:
         lines.append(f"{', '.join(f'`{name}`' for name in masked)} mask evicted keys instead of dropping them "
