@@ -17,7 +17,6 @@ from jsonargparse.typing import register_type
 
 from curkv_train.core.shapes import text_config
 from curkv_train.errors import CurKVError
-from curkv_train.eval import kvpress_bridge
 from curkv_train.eval.harness import EvalSettings, evaluate
 from curkv_train.eval.heldout import training_hashes
 from curkv_train.eval.methods import (
@@ -219,8 +218,7 @@ def run_eval(
     cache_methods = ({entry.suffixed(CURKV_CACHE): scorers[entry.method] for entry in entries}
                      if CURKV_CACHE in method_names else {})
     ours = main.method if main else CURKV
-    multi_pass = kvpress_bridge.multi_pass_methods(settings.kvpress_presses) if kvpress and prefill_tasks else []
-    not_baselines = tuple(name for name in [*scorers, *cache_methods, *multi_pass] if name != ours)
+    not_baselines = tuple(name for name in [*scorers, *cache_methods] if name != ours)
     results = evaluate(model, task_examples, score_functions, settings, progress=progress, tokenizer=tokenizer,
                        cache_methods=cache_methods, ours=ours, not_baselines=not_baselines)
     if stream is not None:

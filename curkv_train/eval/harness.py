@@ -234,7 +234,8 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
         tokenizer: the base model's tokenizer (kvpress's KVzip reads it).
         cache_methods: method name -> trained scorer run through the runtime CurKVCache (``curkv_cache``).
         ours: the method the summary's verdict is about (the main scorer's bare selection).
-        not_baselines: further methods that are not baselines (other scorers, runtime-cache rows).
+        not_baselines: further methods that are not baselines (other scorers, runtime-cache rows); multi-pass
+            kvpress presses (KVzip) are never baselines either.
 
     Returns:
         {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums"}]
@@ -266,8 +267,9 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     kinds = {task: TASKS[task][0] for task in examples}
     tags = {task: [example.tags for example in task_examples] for task, task_examples in examples.items()}
     rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL)
+    multi_pass = kvpress_bridge.multi_pass_methods(settings.kvpress_presses) if settings.kvpress else []
     summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL,
-                        exclude=not_baselines)
+                        exclude=(*not_baselines, *multi_pass))
     masked = [kvpress_bridge.PREFIX + name for name in kvpress_bridge.masked_presses()] if settings.kvpress else []
     return {"rows": rows, "summary": summary, "main_metric": main_metric, "seconds_per_example": seconds,
             "bootstrap": settings.bootstrap.record(),

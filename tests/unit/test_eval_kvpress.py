@@ -240,3 +240,13 @@ def test_an_unknown_press_is_one_clear_error():
 def test_kvzip_is_the_multi_pass_press_kept_out_of_the_single_pass_verdict():
     assert kvpress_bridge.multi_pass_methods(["snapkv", "kvzip", "compactor"]) == ["kvpress:kvzip"]
     assert kvpress_bridge.multi_pass_methods(kvpress_bridge.available_presses()) == ["kvpress:kvzip"]
+
+
+def test_the_verdict_never_takes_kvzip_as_the_best_baseline(model):
+    settings = EvalSettings([0.5], n_sink=N_SINK, window=WINDOW, kvpress=True, backend="torch",
+                            kvpress_presses=["kvzip"])
+    methods = build_methods(["full", "snapkv"], None, n_sink=N_SINK, window=WINDOW)
+    results = evaluate(model, {"ppl_text": examples(2)}, methods, settings, tokenizer=load_tokenizer(TINY_RANDOM),
+                       ours="snapkv")
+    assert any(row["method"] == "kvpress:kvzip" for row in results["rows"])  # reported
+    assert results["summary"] == []  # the only other compressing method is no candidate baseline
