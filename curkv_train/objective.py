@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from curkv_train.core.selection import kept_count
+from curkv_train.core.selection import keep_newest, kept_count
 
 BUDGET_MODES = ("two_sided", "hinge", "lagrange")
 # Keep weight of an evicted token in the hard stage: small enough to leave the
@@ -32,6 +32,8 @@ class TrainingSettings:
         streaming_rounds: compress the context the way CurKVCache compresses a growing one, in
             this many rounds at ends ``window`` tokens apart (0: one selection after the prefill).
         hot_windows: with streaming rounds, the recent windows each round protects (the cache's hot tier).
+        recent_share: with streaming rounds, the share of each round's kept places given to the newest
+            competing tokens (the cache's ``recent_share``; 0: every place by score).
     """
 
     keep_ratio: float = 0.5
@@ -41,6 +43,7 @@ class TrainingSettings:
     warm_start: bool = False
     streaming_rounds: int = 0
     hot_windows: int = 3
+    recent_share: float = 0.0
 
 
 def _chunk_kl(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -123,12 +126,14 @@ def streaming_ends(context_length: int, rounds: int, stride: int) -> list[int]:
 
 
 def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_sink: int, hot: int,
-                        temperature: float, keep_ratio: float, hard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float, keep_ratio: float, hard: bool,
+                        recent_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention biases of a context compressed in rounds, as CurKVCache compresses it while it grows.
 
     At round r (sequence end e_r) the tokens in [n_sink, e_r − hot) that survived the earlier
-    rounds compete, scored by that round's logits, and ⌈ρ·(e_r − hot − n_sink)⌉ of them stay;
-    evicted tokens never come back. A token's log keep weight is the sum over the rounds it
+    rounds compete, scored by that round's logits, and ⌈ρ·(e_r − hot − n_sink)⌉ of them stay (the
+    newest ⌊recent_share·kept⌋ of them whatever their score, :func:`keep_newest`, with weight 1 and no
+    gradient); evicted tokens never come back. A token's log keep weight is the sum over the rounds it
     competed in (hard: straight-through top-k per round; soft: σ(z/T) per round, i.e. the
     product of its keep probabilities).
 
@@ -152,14 +157,17 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
         z = logits[..., n_sink:stop].float()
         competing = alive[..., n_sink:stop].clone()
         scores = torch.sigmoid(z / temperature)
+        if keep_ratio >= 1.0:
+            continue
+        count = kept_count(stop - n_sink, keep_ratio)
+        newest = keep_newest(torch.zeros_like(z), competing, count, recent_share).isinf()
         weight = scores
-        if hard and keep_ratio < 1.0:
-            count = kept_count(stop - n_sink, keep_ratio)
-            kept = torch.zeros_like(z).scatter_(-1, z.masked_fill(~competing, float("-inf")).topk(count).indices, 1.0)
+        if hard:
+            ranked = keep_newest(z.masked_fill(~competing, float("-inf")), competing, count, recent_share)
+            kept = torch.zeros_like(z).scatter_(-1, ranked.topk(count).indices, 1.0)
             weight = kept * (1 - EVICTED_WEIGHT) + EVICTED_WEIGHT + scores - scores.detach()
             alive[..., n_sink:stop] = competing & kept.bool()
-        elif keep_ratio >= 1.0:
-            continue
+        weight = weight.masked_fill(newest, 1.0)
         log_weight = torch.log(weight.clamp_min(torch.finfo(torch.float32).tiny))
         bias = bias + torch.nn.functional.pad(torch.where(competing, log_weight, 0.0), (n_sink, context - stop))
     return bias, scores

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 
 from curkv_train.errors import CurKVError
 from curkv_train.objective import TrainingSettings
-from curkv_train.core.selection import check_keep_ratio
+from curkv_train.core.selection import check_keep_ratio, check_recent_share
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class Stage:
         streaming_rounds: compress the context in this many rounds ``window`` tokens apart, the
             way CurKVCache compresses a growing context (0: one selection).
         hot_windows: recent windows each streaming round protects (the cache's hot tier).
+        recent_share: share of each streaming round's kept places given to the newest tokens (the
+            cache's ``recent_share``).
     """
 
     steps: int
@@ -48,6 +50,7 @@ class Stage:
     warm_start: bool = False
     streaming_rounds: int | None = None
     hot_windows: int | None = None
+    recent_share: float | None = None
 
 
 class Curriculum(Callback):
@@ -71,6 +74,8 @@ class Curriculum(Callback):
                 check_keep_ratio(ratio)
             if stage.compression_range is not None:
                 _check_range(index, stage.compression_range)
+            if stage.recent_share is not None:
+                check_recent_share(stage.recent_share)
         self.stages = stages
         self.stage_index = -1
 

@@ -103,3 +103,8 @@ def test_compression_range_draws_each_step_within_the_range_and_repeats_on_resum
 def test_bad_compression_range_is_rejected(bounds):
     with pytest.raises(CurKVError, match="compression_range"):
         Curriculum([Stage(steps=1, compression_range=bounds)])
+
+
+def test_bad_recent_share_is_rejected():
+    with pytest.raises(CurKVError, match="recent_share"):
+        Curriculum([Stage(steps=1, recent_share=2.0)])

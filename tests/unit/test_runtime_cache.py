@@ -114,6 +114,32 @@ def test_attention_runs_over_held_tokens_at_true_positions(model, scorer):
     model.set_attn_implementation("sdpa")
 
 
+class OldestFirstCache(CurKVCache):
+    """Scores the oldest tokens highest, so what recent_share adds is told apart from the score's choice."""
+
+    def _score(self, layer, keys, values, positions, end, observation, token_scores):
+        return -positions.float()
+
+
+@pytest.mark.parametrize("share, recent", [(0.0, 0), (0.5, 95), (1.0, 190)])
+def test_recent_share_gives_the_newest_their_places_and_the_score_the_rest(model, scorer, share, recent):
+    cache = OldestFirstCache(scorer, model=model, keep_ratio=0.5, recent_share=share, backend="torch", **TIERS_OFF)
+    with torch.no_grad():
+        model(prompt(400), past_key_values=cache)
+    # 380 compressible tokens (after 4 sinks, before the 16-token window): 190 kept
+    scored = list(range(N_SINK, N_SINK + 190 - recent))
+    newest = list(range(400 - WINDOW - recent, 400 - WINDOW))
+    expected = list(range(N_SINK)) + scored + newest + list(range(400 - WINDOW, 400))
+    for head in cache.layers[0].positions.long()[0]:
+        assert head.tolist() == expected
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, "half"])
+def test_recent_share_outside_range_is_a_user_error(model, scorer, share):
+    with pytest.raises(CurKVError, match="recent_share must be in"):
+        CurKVCache(scorer, model=model, recent_share=share)
+
+
 def test_decoding_recompresses_and_stays_within_bound(model, scorer):
     cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
     with torch.no_grad():

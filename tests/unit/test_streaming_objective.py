@@ -18,8 +18,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("family", ["seed", "query_aware"])
-@pytest.mark.parametrize("keep_ratio", [0.3, 0.6])
-def test_rounds_keep_what_the_cache_keeps(family, keep_ratio):
+@pytest.mark.parametrize("keep_ratio, recent_share", [(0.3, 0.0), (0.6, 0.0), (0.3, 0.5)])
+def test_rounds_keep_what_the_cache_keeps(family, keep_ratio, recent_share):
     """Layer 0 keeps the same tokens per head. (Deeper layers' K/V of tokens that arrived after a
     compression were computed over a compressed past in the cache, over the full one in training: the
     rounds reproduce the cache's selection rule, not that drift.)"""
@@ -29,7 +29,7 @@ def test_rounds_keep_what_the_cache_keeps(family, keep_ratio):
 
     model = load_base_model(TINY_RANDOM, attn_implementation="sdpa")
     cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, hot_windows=HOT_WINDOWS, cold=False,
-                       backend="torch")
+                       recent_share=recent_share, backend="torch")
     with torch.no_grad():
         model(ids[:, : ends[0]], past_key_values=cache)
         for start in ends[:-1]:
@@ -42,7 +42,7 @@ def test_rounds_keep_what_the_cache_keeps(family, keep_ratio):
     with torch.no_grad():
         logits = [estimator(estimator_inputs(base, estimator, capture, scorer.key_view, end=end)) for end in ends]
     bias, _ = streaming_keep_bias(logits, ends, n_sink=N_SINK, hot=HOT_WINDOWS * WINDOW, temperature=1.0,
-                                  keep_ratio=keep_ratio, hard=True)
+                                  keep_ratio=keep_ratio, hard=True, recent_share=recent_share)
     kept = [set(torch.nonzero(bias[0, 0, head] > -1).flatten().tolist()) for head in range(2)]
     held = [set(cache.layers[0].positions[0, head].tolist()) for head in range(2)]
     assert kept == held and len(held[0]) < CONTEXT
@@ -55,6 +55,16 @@ def test_soft_rounds_multiply_keep_probabilities():
     assert torch.allclose(bias[0, 0, 0, 1:8], 2 * half)  # competed in both rounds
     assert torch.allclose(bias[0, 0, 0, 8:12], half) and torch.all(bias[0, 0, 0, 12:] == 0)
     assert torch.all(bias[0, 0, 0, :1] == 0) and scores.shape == (1, 1, 1, 11)
+
+
+def test_newest_places_are_kept_without_gradient():
+    logits = [torch.full((1, 1, 1, 16), -5.0, requires_grad=True)]
+    bias, _ = streaming_keep_bias(logits, [16], n_sink=1, hot=4, temperature=1.0, keep_ratio=0.5, hard=False,
+                                  recent_share=0.5)
+    # 11 compete (positions 1..11), 6 places, the newest 3 (9, 10, 11) kept whatever their score
+    assert torch.all(bias[0, 0, 0, 9:12] == 0) and torch.all(bias[0, 0, 0, 1:9] < -4)
+    bias.sum().backward()
+    assert torch.all(logits[0].grad[0, 0, 0, 9:12] == 0) and torch.all(logits[0].grad[0, 0, 0, 1:9] != 0)
 
 
 def test_streaming_training_step_runs_and_moves_the_estimator():
