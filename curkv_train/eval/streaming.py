@@ -14,7 +14,9 @@ ratio 1 − ratio, the runtime cache's ``keep_ratio``) or a fixed budget (``max_
 - ``full``: transformers' DynamicCache, nothing dropped;
 - ``streaming_llm``: sinks + the most recent tokens (a :class:`RecencyCache` without tiers or
   observation: the same tokens held as ``curkv``, fewer bytes);
-- ``curkv``: CurKVCache with the trained scorer at the runtime defaults (dense tiers only);
+- ``curkv``: CurKVCache with the trained scorer at the runtime defaults (dense tiers only, half
+  the kept places to the newest tokens);
+- ``curkv_score_only``: the same with every kept place given by the score (``recent_share=0``);
 - ``curkv_cold``: + the opt-in cold CUR tier, without residual compensation;
 - ``curkv_compensated``: + the cold tier with residual compensation;
 - ``recency``: ``curkv``'s cache with score = position: the same tiers, selection and bytes,
@@ -69,9 +71,9 @@ from curkv_train.runtime.scorer import Scorer
 
 # task -> the document source kind it reads
 STREAM_TASKS = {"stream_text": PYTHON_TEXT, "stream_code": "stdlib"}
-FULL, STREAMING_LLM, CURKV, CURKV_COLD, CURKV_COMPENSATED, RECENCY = (
-    "full", "streaming_llm", "curkv", "curkv_cold", "curkv_compensated", "recency")
-METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_COLD, CURKV_COMPENSATED, RECENCY)
+FULL, STREAMING_LLM, CURKV, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY = (
+    "full", "streaming_llm", "curkv", "curkv_score_only", "curkv_cold", "curkv_compensated", "recency")
+METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY)
 PRESS_PREFIX = "kvpress:decoding/"
 # ScorerPresses DecodingPress runs over (names of kvpress_bridge.PRESSES), and those it cannot, with why
 DECODING_PRESSES = ("expected_attention", "snapkv", "knorm")
@@ -292,6 +294,7 @@ def stream_methods(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: 
     if main:
         scorer = scorers[main]
         methods += [StreamMethod(main, curkv(scorer)),
+                    StreamMethod(CURKV_SCORE_ONLY + suffix, curkv(scorer, recent_share=0.0)),
                     StreamMethod(CURKV_COLD + suffix, curkv(scorer, cold=True, compensation=False)),
                     StreamMethod(CURKV_COMPENSATED + suffix, curkv(scorer, cold=True))]
     methods.append(StreamMethod(RECENCY, recency()))

@@ -17,6 +17,7 @@ from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.streaming import (
     CURKV,
     CURKV_COMPENSATED,
+    CURKV_SCORE_ONLY,
     FULL,
     PRESS_PREFIX,
     RECENCY,
@@ -71,11 +72,19 @@ def test_at_keep_one_every_method_equals_the_full_cache(model, scorer):
     methods, _ = methods_by_name(model, scorer, settings)
     ids = tokens(260, seed=1)
     full = stream_document(model, methods[FULL].build(settings.memory[0]), ids, PREFIX, WINDOW)
-    assert {STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV, RECENCY} <= set(methods)
+    assert {STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV, CURKV_SCORE_ONLY, RECENCY} <= set(methods)
     for name, method in methods.items():
         trace = stream_document(model, method.build(settings.memory[0]), ids, PREFIX, WINDOW)
         np.testing.assert_allclose(trace.nll, full.nll, atol=2e-5, err_msg=name)
         assert [step[2] for step in trace.steps] == [step[2] for step in full.steps], name
+
+
+def test_score_only_row_gives_every_place_to_the_score(model, scorer):
+    settings = StreamSettings(memory_settings([0.5]), prefix=PREFIX, chunk=WINDOW, backend="torch")
+    methods, _ = methods_by_name(model, scorer, settings)
+    shares = {name: methods[name].build(settings.memory[0]).cache.settings.recent_share
+              for name in (CURKV, CURKV_SCORE_ONLY, RECENCY)}
+    assert shares == {CURKV: 0.5, CURKV_SCORE_ONLY: 0.0, RECENCY: 0.5}
 
 
 @pytest.mark.parametrize("family", ["seed", "query_aware"])
@@ -239,7 +248,7 @@ def test_streaming_through_the_cli(tmp_path, capsys):
     assert streaming["documents"]["stream_text"][0]["sources"][0].startswith(f"{PYTHON_TEXT}/")
     assert streaming["documents"]["stream_code"][0]["sources"][0].startswith("stdlib/")
     assert {row["method"] for row in streaming["rows"]} == {FULL, STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV,
-                                                           RECENCY}
+                                                           CURKV_SCORE_ONLY, RECENCY}
     markdown = (run / "results.md").read_text()
     assert "## Streaming" in markdown and "### stream_code" in markdown and "| recency |" in markdown
     assert (run / "plots" / "streaming__stream_text.png").read_bytes()[:4] == b"\x89PNG"
