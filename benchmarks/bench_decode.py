@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 128] [--threads 2]
-       [--settings default,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot] [--backend auto]
+       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot] [--backend auto]
 
 For every context length: a prompt of that many tokens (the Python standard library's own
 sources, repeated as needed: timing only, no quality claim), prefilled once per cache, then
@@ -15,7 +15,8 @@ agree with DynamicCache's. tokens/s counts every decode step (compression steps
 included); the median step time is the attention-only step, robust to a busy machine.
 One JSON line per run follows the tables.
 
-Settings: ``default`` the runtime defaults (hot and warm tiers, dense; no cold tier);
+Settings: ``default`` the runtime defaults (hot and warm tiers, dense; no cold tier; half the
+kept places to the newest tokens); ``score-only`` every kept place by score (``recent_share=0``);
 ``cold`` + the opt-in cold CUR tier (factored cold attention, residual compensation);
 ``cold-rebuild`` the same but rebuilding cold blocks densely each step
 (``factored_attention=False``); ``cold-no-compensation`` cold without the sparse residual;
@@ -45,6 +46,7 @@ from timing import TIMERS, timed  # benchmarks/timing.py, beside this script
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
+    "score-only": {"recent_share": 0.0},
     "cold": {"cold": True},
     "cold-rebuild": {"cold": True, "factored_attention": False},
     "cold-no-compensation": {"cold": True, "compensation": False},
