@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from curkv_train.core.selection import keep_newest, kept_count
+from curkv_train.core.selection import kept_count, newest_places
 
 BUDGET_MODES = ("two_sided", "hinge", "lagrange")
 # Keep weight of an evicted token in the hard stage: small enough to leave the
@@ -132,7 +132,7 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
 
     At round r (sequence end e_r) the tokens in [n_sink, e_r − hot) that survived the earlier
     rounds compete, scored by that round's logits, and ⌈ρ·(e_r − hot − n_sink)⌉ of them stay (the
-    newest ⌊recent_share·kept⌋ of them whatever their score, :func:`keep_newest`, with weight 1 and no
+    newest ⌊recent_share·kept⌋ of them whatever their score, :func:`newest_places`, with weight 1 and no
     gradient); evicted tokens never come back. A token's log keep weight is the sum over the rounds it
     competed in (hard: straight-through top-k per round; soft: σ(z/T) per round, i.e. the
     product of its keep probabilities).
@@ -160,10 +160,10 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
         if keep_ratio >= 1.0:
             continue
         count = kept_count(stop - n_sink, keep_ratio)
-        newest = keep_newest(torch.zeros_like(z), competing, count, recent_share).isinf()
+        newest = newest_places(competing, count, recent_share)
         weight = scores
         if hard:
-            ranked = keep_newest(z.masked_fill(~competing, float("-inf")), competing, count, recent_share)
+            ranked = z.masked_fill(~competing, float("-inf")).masked_fill(newest, float("inf"))
             kept = torch.zeros_like(z).scatter_(-1, ranked.topk(count).indices, 1.0)
             weight = kept * (1 - EVICTED_WEIGHT) + EVICTED_WEIGHT + scores - scores.detach()
             alive[..., n_sink:stop] = competing & kept.bool()

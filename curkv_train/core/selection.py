@@ -45,30 +45,26 @@ def check_recent_share(recent_share: float) -> float:
     return float(recent_share)
 
 
-def keep_newest(logits: torch.Tensor, competing: torch.Tensor, keep: int, recent_share: float) -> torch.Tensor:
-    """``logits`` with the newest ⌊share·keep⌋ competing tokens of each row raised to +inf.
+def newest_places(competing: torch.Tensor, keep: int, recent_share: float) -> torch.Tensor:
+    """The newest ⌊share·keep⌋ competing tokens of each row: the places a budget reserves for them.
 
-    A top-``keep`` selection over the result keeps those newest tokens and fills the rest of
-    ``keep`` by score among the older ones: H2O's split of a budget between a recent window
-    and heavy hitters, with the estimator choosing the heavy hitters. Runtime rounds and the
-    training's streaming rounds both go through here.
+    A selection keeps these whatever their score and fills the rest of ``keep`` by score among
+    the older ones: H2O's split of a budget between a recent window and heavy hitters, with the
+    estimator choosing the heavy hitters. Runtime compressions and the training's streaming
+    rounds both take their split from here.
 
     Args:
-        logits: (..., tokens) scores.
-        competing: (..., tokens) or (tokens,) bool, the tokens that compete for ``keep`` places
-            (position order along the last dim).
+        competing: (..., tokens) bool, the tokens that compete for ``keep`` places (position
+            order along the last dim).
         keep: places the competing tokens get.
         recent_share: share of them reserved for the newest, in [0, 1].
 
     Returns:
-        (..., tokens) logits, unchanged where ``⌊share·keep⌋`` is 0.
+        (..., tokens) bool, all False where ``⌊share·keep⌋`` is 0.
     """
     recent = int(recent_share * keep + 1e-9)
-    if recent == 0:
-        return logits
-    competing = competing.expand_as(logits)
     from_end = competing.flip(-1).cumsum(-1).flip(-1)  # competing tokens at or after each position
-    return logits.masked_fill(competing & (from_end <= recent), float("inf"))
+    return competing & (from_end <= recent)
 
 
 def expected_kept(context_length: int, n_sink: int, window: int, keep_ratio: float) -> int:

@@ -57,8 +57,8 @@ from curkv_train.core.selection import (
     check_keep_ratio,
     check_recent_share,
     compress_kv,
-    keep_newest,
     kept_count,
+    newest_places,
     select_kept,
 )
 from curkv_train.core.shapes import kv_shape, text_config
@@ -307,7 +307,7 @@ class CurKVLayer(CacheLayerMixin):
                                self.observer.observation(), self.token_scores)
         competing = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         competing[self.n_sink_held : self.n_sink_held + candidates] = True
-        logits = keep_newest(logits, competing, keep, self.settings.recent_share)
+        logits = logits.masked_fill(newest_places(competing, keep, self.settings.recent_share), float("inf"))
         # select_kept keeps ⌈ρ'·candidates⌉; ρ' = keep / candidates gives exactly ``keep``.
         keep_idx = select_kept(logits, self.n_sink_held, self.n_hot, keep / candidates)
         self.keys, self.values = compress_kv(self.keys, self.values, keep_idx, backend=self.settings.backend)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from curkv_train.core.rope import key_view
-from curkv_train.core.selection import compressible_mask, keep_newest, kept_count
+from curkv_train.core.selection import compressible_mask, kept_count, newest_places
 from curkv_train.models.capture import prefill_context
 from curkv_train.objective import TrainingSettings, chunked_kl, hard_keep_mask, keep_bias
 from curkv_train.system import CurKVModule
@@ -94,11 +94,10 @@ def test_kept_count_never_rounds_a_token_away():
     assert hard_keep_mask(torch.arange(7.0), 0.3).tolist() == [0, 0, 0, 0, 1, 1, 1]  # ceil(2.1) = 3
 
 
-def test_keep_newest_raises_the_newest_competing_tokens_of_each_row():
+def test_newest_places_are_the_newest_competing_tokens_of_each_row():
     competing = torch.tensor([[1, 0, 1, 1, 0, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    raised = keep_newest(torch.zeros(2, 6), competing, keep=4, recent_share=0.5).isinf()
-    assert raised.nonzero().tolist() == [[0, 3], [0, 5], [1, 0], [1, 1]]
-    assert not keep_newest(torch.zeros(2, 6), competing, keep=1, recent_share=0.5).isinf().any()  # ⌊0.5⌋ = 0
+    assert newest_places(competing, keep=4, recent_share=0.5).nonzero().tolist() == [[0, 3], [0, 5], [1, 0], [1, 1]]
+    assert not newest_places(competing, keep=1, recent_share=0.5).any()  # ⌊0.5⌋ = 0
 
 
 def test_chunked_kl_matches_direct_kl():
