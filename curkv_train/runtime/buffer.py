@@ -52,10 +52,20 @@ class AppendBuffer:
         return self.data.numel() * self.data.element_size()
 
 
+def _slot(name: str) -> str:
+    """Where the owner keeps the buffer behind property ``name``."""
+    return f"_{name}_buffer"
+
+
+def buffer_of(owner, name: str) -> AppendBuffer | None:
+    """The :class:`AppendBuffer` behind ``owner``'s :func:`buffered` property ``name`` (None if unset)."""
+    return owner.__dict__.get(_slot(name))
+
+
 def buffered(name: str, dim: int) -> property:
     """A property storing tensors assigned to it in an :class:`AppendBuffer` (``None`` stays ``None``);
     reading it gives the content. The owner sets ``buffer_headroom`` (tokens)."""
-    slot = f"_{name}_buffer"
+    slot = _slot(name)
 
     def get(owner):
         buffer = owner.__dict__.get(slot)

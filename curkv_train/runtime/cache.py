@@ -64,7 +64,7 @@ from curkv_train.core.selection import (
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
-from curkv_train.runtime.buffer import buffered
+from curkv_train.runtime.buffer import buffer_of, buffered
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.scorer import Scorer
 
@@ -263,12 +263,12 @@ class CurKVLayer(CacheLayerMixin):
         if self.positions.dtype != dtype:
             self.positions = self.positions.to(dtype)
         positions = torch.arange(self.seen, self.seen + new, device=self.device, dtype=dtype)
-        self._keys_buffer.append(key_states)
-        self._values_buffer.append(value_states)
-        self._positions_buffer.append(positions.expand(*key_states.shape[:2], new))
+        buffer_of(self, "keys").append(key_states)
+        buffer_of(self, "values").append(value_states)
+        buffer_of(self, "positions").append(positions.expand(*key_states.shape[:2], new))
         if self.token_scores is not None:
             arrived = self.observer.take_arrival_scores(new, self.layer_idx)
-            self._token_scores_buffer.append(arrived.to(self.token_scores.dtype))
+            buffer_of(self, "token_scores").append(arrived.to(self.token_scores.dtype))
         self.seen += new
         sinks = min(self.settings.n_sink, self.seen)
         self.n_hot += new - (sinks - self.n_sink_held)
@@ -357,7 +357,7 @@ class CurKVLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         """Bytes held: dense K/V, positions and stored token scores (with their headroom), every cold
         factor and the observation window."""
-        buffers = [self.__dict__.get(f"_{name}_buffer") for name in ("keys", "values", "positions", "token_scores")]
+        buffers = [buffer_of(self, name) for name in ("keys", "values", "positions", "token_scores")]
         return (sum(buffer.nbytes() for buffer in buffers if buffer is not None)
                 + sum(block.nbytes() for block in self.cold) + self.observer.nbytes())
 
