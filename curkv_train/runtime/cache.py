@@ -57,6 +57,7 @@ from curkv_train.core.selection import (
     check_keep_ratio,
     check_recent_share,
     compress_kv,
+    compressible_mask,
     kept_count,
     newest_places,
     select_kept,
@@ -305,8 +306,7 @@ class CurKVLayer(CacheLayerMixin):
         """
         logits = self.score_fn(self.layer_idx, self.keys, self.values, self.positions.long(), self.seen,
                                self.observer.observation(), self.token_scores)
-        competing = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        competing[self.n_sink_held : self.n_sink_held + candidates] = True
+        competing = compressible_mask(logits.shape[-1], self.n_sink_held, self.n_hot, device=logits.device)
         logits = logits.masked_fill(newest_places(competing, keep, self.settings.recent_share), float("inf"))
         # select_kept keeps ⌈ρ'·candidates⌉; ρ' = keep / candidates gives exactly ``keep``.
         keep_idx = select_kept(logits, self.n_sink_held, self.n_hot, keep / candidates)
