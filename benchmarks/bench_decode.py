@@ -89,7 +89,8 @@ def held_bytes(cache) -> int:
 
 @torch.no_grad()
 def decode(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
-    """Prefill ``prompt`` then ``new_tokens`` greedy steps; seconds of each phase and the tokens."""
+    """Prefill ``prompt`` then ``new_tokens`` greedy steps; seconds of each phase, the tokens, what is held
+    (and a CurKVCache's tiers)."""
     start = time.perf_counter()
     logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     prefill_s = time.perf_counter() - start
@@ -103,9 +104,12 @@ def decode(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any
         tokens.append(int(logits[0, -1].argmax()))
         steps.append(time.perf_counter() - start)
     decode_s = sum(steps)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "median_step_s": sorted(steps)[len(steps) // 2],
-            "tokens": tokens,
-            "compress_s": TIMERS["compress"], "score_s": TIMERS["score"], "bytes": held_bytes(cache)}
+    result = {"prefill_s": prefill_s, "decode_s": decode_s, "median_step_s": sorted(steps)[len(steps) // 2],
+              "tokens": tokens,
+              "compress_s": TIMERS["compress"], "score_s": TIMERS["score"], "bytes": held_bytes(cache)}
+    if isinstance(cache, CurKVCache):
+        result |= {"tiers": cache.tier_sizes(0), "factored": cache.factored_attention}
+    return result
 
 
 def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -115,27 +119,24 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
         for name in args.settings:
             options = {"keep_ratio": keep, "backend": args.backend, **SETTINGS[name]}
             runs.append((name, keep, functools.partial(CurKVCache, scorer, model=model, **options)))
-    best: dict[int, tuple[dict[str, Any], Any]] = {}
+    best: dict[int, dict[str, Any]] = {}
     for round_index in range(args.rounds):
         # alternate the order: a run's place in the sequence shifts its speed on this machine
         order = list(enumerate(runs)) if round_index % 2 == 0 else list(enumerate(runs))[::-1]
         for index, (name, keep, make) in order:
-            cache = make()
-            result = decode(model, cache, prompt, args.new_tokens)
-            if index not in best or result["decode_s"] < best[index][0]["decode_s"]:
-                best[index] = (result, cache)
+            result = decode(model, make(), prompt, args.new_tokens)
+            if index not in best or result["decode_s"] < best[index]["decode_s"]:
+                best[index] = result
     rows = []
     for index, (name, keep, _) in enumerate(runs):
-        result, cache = best[index]
+        result = best[index]
         steps = args.new_tokens - 1
         row = {"context": prompt.shape[-1], "cache": name, "keep": keep, "tok_s": steps / result["decode_s"],
                "median_step_ms": 1000 * result["median_step_s"], "prefill_s": result["prefill_s"],
                "bytes": result["bytes"],
                "compress_share": result["compress_s"] / result["decode_s"],
                "score_share": result["score_s"] / result["decode_s"], "tokens": result["tokens"]}
-        if isinstance(cache, CurKVCache):
-            row["tiers"] = cache.tier_sizes(0)
-            row["factored"] = cache.factored_attention
+        row |= {key: result[key] for key in ("tiers", "factored") if key in result}
         rows.append(row)
         print(f"  {name:16s} keep {keep if keep is not None else '-':>4}: {row['tok_s']:6.2f} tok/s "
               f"(best of {args.rounds})", flush=True)
