@@ -6,6 +6,12 @@ attention module's input hidden states (for scorers that score a token on arriva
 module's own pre-RoPE queries as it projects them (no extra projection); the layer's
 :class:`ObservationBuffer` keeps what its scorer reads: the last ``window`` queries and the
 running moments of every query after the first ``statistics_skip`` tokens.
+
+Decoding hands the buffer one query per layer and step, while the scorer reads it only when the
+cache compresses (every ``window`` tokens). So the window is a ring of ``window`` slots a step
+writes one query into, and the moments take the ring's unfolded queries in one batch when
+``window`` of them have piled up or the observation is read: a step costs one copy, not a
+concatenation and a moment update, and nothing beyond the window is held.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ class ObservationBuffer:
     def __init__(self, window: int, arrival_scores: Callable[[torch.Tensor], torch.Tensor] | None,
                  statistics_skip: int = 0) -> None:
         self.window, self.arrival_scores, self.statistics_skip = window, arrival_scores, statistics_skip
-        self.queries: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
+        self.ring: torch.Tensor | None = None  # (batch, heads, window, head_dim); position p in slot p % window
+        self.seen = 0  # queries observed
+        self.unfolded = 0  # the newest queries in the ring not yet in the statistics
         self.statistics = QueryStatistics()
         self.pending: torch.Tensor | None = None
 
@@ -46,17 +53,43 @@ class ObservationBuffer:
             self.pending = self.arrival_scores(hidden)
 
     def observe_queries(self, queries: torch.Tensor, start: int) -> None:
-        """Record pre-RoPE queries (batch, heads, new, head_dim) of the tokens at positions start, start + 1, ..."""
+        """Record pre-RoPE queries (batch, heads, new, head_dim) of the tokens at positions start, start + 1, ...
+
+        Successive calls cover successive positions (``start`` is the count observed before).
+        """
         if not self.window:
             return
-        queries = queries.detach()
-        positions = torch.arange(start, start + queries.shape[2], device=queries.device)
-        kept = queries if self.queries is None else torch.cat([self.queries, queries], dim=2)
-        every = positions if self.positions is None else torch.cat([self.positions, positions])
-        self.queries, self.positions = kept[:, :, -self.window:], every[-self.window:]
+        queries, new = queries.detach(), queries.shape[2]
+        if self.ring is None:
+            self.ring = queries.new_zeros(*queries.shape[:2], self.window, queries.shape[3])
+        if self.unfolded + new > self.window:  # more than the ring can hold unfolded: count them now
+            self._fold()
+            self._add_to_statistics(queries, start)
+        else:
+            self.unfolded += new
+        kept = min(new, self.window)
+        slots = torch.arange(start + new - kept, start + new, device=queries.device) % self.window
+        self.ring.index_copy_(2, slots, queries[:, :, new - kept:].to(self.ring.dtype))
+        self.seen = start + new
+        if self.unfolded == self.window:
+            self._fold()
+
+    def _add_to_statistics(self, queries: torch.Tensor, start: int) -> None:
+        """Add the queries at positions start, start + 1, ... that are not below ``statistics_skip``."""
         counted = queries[:, :, max(0, self.statistics_skip - start):]
         if counted.shape[2]:
             self.statistics.update(counted)
+
+    def _window_positions(self) -> torch.Tensor:
+        """(W,) the positions the ring holds, oldest first."""
+        return torch.arange(max(0, self.seen - self.window), self.seen, device=self.ring.device)
+
+    def _fold(self) -> None:
+        """Add the ring's unfolded queries to the statistics."""
+        if self.unfolded:
+            positions = self._window_positions()[-self.unfolded:]
+            self._add_to_statistics(self.ring[:, :, positions % self.window], int(positions[0]))
+            self.unfolded = 0
 
     def take_arrival_scores(self, new: int, layer: int) -> torch.Tensor:
         """The scores of the ``new`` tokens being appended (batch, kv_heads, new); an error if none arrived."""
@@ -69,17 +102,20 @@ class ObservationBuffer:
 
     def observation(self) -> Observation | None:
         """The recorded observation, or None if nothing was observed (or no window is kept)."""
-        if self.queries is None or not self.statistics.count:
+        self._fold()
+        if self.ring is None or not self.statistics.count:
             return None
-        return Observation(self.queries, self.positions, self.statistics)
+        positions = self._window_positions()
+        return Observation(self.ring[:, :, positions % self.window], positions, self.statistics)
 
     def nbytes(self) -> int:
         """Bytes held by the recorded window and the query statistics."""
-        window = 0 if self.queries is None else self.queries.numel() * self.queries.element_size()
+        window = 0 if self.ring is None else self.ring.numel() * self.ring.element_size()
         return window + self.statistics.nbytes()
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dimension operation to the recorded queries and statistics."""
-        if self.queries is not None:
-            self.queries = fn(self.queries)
+        self._fold()
+        if self.ring is not None:
+            self.ring = fn(self.ring)
         self.statistics.map_batch(fn)

@@ -1,0 +1,52 @@
+"""ObservationBuffer: queries fed token by token give the observation one prefill of them gives."""
+
+import pytest
+import torch
+
+from curkv_train.runtime.observer import ObservationBuffer
+
+HEADS, DIM = 3, 4
+
+
+def queries(tokens: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, HEADS, tokens, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def fed(buffer: ObservationBuffer, all_queries: torch.Tensor, chunks: list[int], first: int = 0) -> ObservationBuffer:
+    """``buffer`` after observing ``all_queries`` in chunks of the given sizes, the first at position ``first``."""
+    start = 0
+    for size in chunks:
+        buffer.observe_queries(all_queries[:, :, start : start + size], first + start)
+        start += size
+    return buffer
+
+
+@pytest.mark.parametrize("chunks", [[1] * 23, [5, 1, 1, 9, 1, 6], [3, 20], [7] + [1] * 16])
+def test_chunked_queries_give_the_observation_of_one_prefill(chunks):
+    all_queries = queries(sum(chunks))
+    whole = fed(ObservationBuffer(8, None, statistics_skip=2), all_queries, [sum(chunks)]).observation()
+    streamed = fed(ObservationBuffer(8, None, statistics_skip=2), all_queries, chunks).observation()
+    assert torch.equal(streamed.queries, all_queries[:, :, -8:])
+    assert streamed.positions.tolist() == list(range(sum(chunks) - 8, sum(chunks)))
+    assert torch.equal(whole.queries, streamed.queries)
+    assert streamed.statistics.count == sum(chunks) - 2
+    torch.testing.assert_close(streamed.statistics.mean(), all_queries[:, :, 2:].mean(dim=2))
+    torch.testing.assert_close(streamed.statistics.covariance(), whole.statistics.covariance())
+
+
+def test_window_shorter_than_what_was_seen_so_far_and_bytes_stay_bounded():
+    buffer = fed(ObservationBuffer(8, None), queries(5), [1] * 5)
+    observation = buffer.observation()
+    assert observation.positions.tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(observation.queries, queries(5))
+    held = buffer.nbytes()
+    later = queries(40, seed=1)
+    fed(buffer, later, [1] * 40, first=5)
+    assert buffer.nbytes() == held
+    assert torch.equal(buffer.observation().queries, later[:, :, -8:])
+    assert buffer.observation().statistics.count == 45
+
+
+def test_no_window_keeps_nothing():
+    buffer = fed(ObservationBuffer(0, None), queries(10), [10])
+    assert buffer.observation() is None and buffer.nbytes() == 0
