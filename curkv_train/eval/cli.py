@@ -44,6 +44,7 @@ from curkv_train.eval.streaming import (
     evaluate_streaming,
     load_stream_documents,
     memory_settings,
+    select_rows,
     stream_methods,
 )
 from curkv_train.eval.tasks import (
@@ -112,6 +113,7 @@ def run_eval(
     stream_chunk: int = 64,
     stream_documents: int = 4,
     stream_segment: int = 512,
+    stream_rows: NameList | None = None,
     budget_tokens: IntList | None = None,
     budget_bytes: IntList | None = None,
 ) -> Path:
@@ -156,6 +158,9 @@ def run_eval(
         stream_chunk: tokens fed per step after the prefix (1 = token by token).
         stream_documents: documents per streaming task, at most.
         stream_segment: scored tokens per bootstrap unit of the streaming task.
+        stream_rows: streaming task: comma-separated subset of its rows (full, streaming_llm, curkv,
+            curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL, kvpress:decoding/NAME);
+            default all; ``full`` always runs.
         budget_tokens: streaming task: also run every compressing method under a fixed budget of this
             many tokens per (layer, KV head), comma-separated budgets (the runtime cache's max_tokens).
         budget_bytes: streaming task: fixed budgets in bytes for the whole cache (max_bytes).
@@ -204,6 +209,8 @@ def run_eval(
     if stream is not None:
         stream.check_length(stream_length, getattr(text_config(model.config), "max_position_embeddings", None))
         check_memory(model, scorers, carrier, stream)
+        rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
+        rows = select_rows(rows, list(stream_rows) if stream_rows else None)
     recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
     training = training_hashes(tokenizer, list(recipe.sources))
     progress = lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True)
@@ -225,8 +232,7 @@ def run_eval(
         sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in streaming_tasks}
         documents = load_stream_documents(tokenizer, streaming_tasks, sources, training[0], length=stream_length,
                                           count=stream_documents)
-        stream_rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
-        results["streaming"] = evaluate_streaming(model, documents, stream_rows, stream, skipped, progress=progress,
+        results["streaming"] = evaluate_streaming(model, documents, rows, stream, skipped, progress=progress,
                                                   main=main.method if main else None)
         results["streaming"]["length"] = stream_length
     config = {"scorer": scorer, "scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
@@ -238,6 +244,7 @@ def run_eval(
               "kvpress_presses": settings.kvpress_presses, "dtype": dtype, "backend": backend, "batch": batch,
               "stream": {"length": stream_length, "prefix": stream_prefix, "chunk": stream_chunk,
                          "documents": stream_documents, "segment": stream_segment,
+                         "rows": list(stream_rows) if stream_rows else None,
                          "budget_tokens": list(budget_tokens or []), "budget_bytes": list(budget_bytes or [])}
               if streaming_tasks else None,
               "torch": torch.__version__, "python": platform.python_version(),

@@ -307,6 +307,19 @@ def stream_methods(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: 
     return methods, skipped
 
 
+def select_rows(methods: list[StreamMethod], names: list[str] | None) -> list[StreamMethod]:
+    """The methods named in ``names`` (all if None), ``full`` always (every row is measured against it);
+    a one-line CurKVError for a name no method has."""
+    if not names:
+        return methods
+    available = [method.name for method in methods]
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise CurKVError(f"unknown streaming row(s) {', '.join(map(repr, unknown))}; this run has: "
+                         f"{', '.join(available)}")
+    return [method for method in methods if method.name == FULL or method.name in names]
+
+
 def check_memory(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: Scorer,
                  settings: StreamSettings) -> None:
     """A one-line CurKVError, before anything runs, for a memory setting some cache cannot hold

@@ -30,6 +30,7 @@ from curkv_train.eval.streaming import (
     held_after,
     memory_settings,
     segment_sums,
+    select_rows,
     stream_document,
     stream_documents,
     stream_methods,
@@ -256,6 +257,20 @@ def test_streaming_through_the_cli(tmp_path, capsys):
                      "--stream_length", "400", "--stream_prefix", "150", "--out", str(tmp_path / "bad")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "a budget of 20 tokens" in err
+    code = cli.main(["eval", "--scorer", str(scorer), "--tasks", "stream_text", "--stream_rows", "curkv,nope",
+                     "--stream_length", "400", "--stream_prefix", "150", "--out", str(tmp_path / "bad_rows")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "unknown streaming row(s) 'nope'" in err
+    assert not (tmp_path / "bad_rows").exists()
+
+
+def test_selected_rows_keep_the_full_cache_and_refuse_unknown_names(model, scorer):
+    settings = StreamSettings(memory_settings([0.5]), prefix=PREFIX, chunk=WINDOW, backend="torch")
+    methods, _ = stream_methods(model, {CURKV: scorer, "curkv:b": scorer}, scorer, settings, main=CURKV)
+    assert [method.name for method in select_rows(methods, ["recency", "curkv:b"])] == [FULL, RECENCY, "curkv:b"]
+    assert select_rows(methods, None) == methods
+    with pytest.raises(CurKVError, match="unknown streaming row.*'curkv:c'.*this run has: full, streaming_llm"):
+        select_rows(methods, ["curkv", "curkv:c"])
 
 
 def test_held_bytes_of_a_plain_cache_are_its_key_value_tensors(model):
