@@ -18,7 +18,10 @@ One JSON line per run follows the tables.
 
 Every cache runs ``--rounds`` times, the order reversed each round, and its fastest run is
 reported: on a 2-core machine the runs that come first in a sequence were up to 20 % slower
-than the same cache run last, which a single pass in a fixed order credits to the cache.
+than the same cache run last, which a single pass in a fixed order credits to the cache. The
+last column gives the speed-up over DynamicCache within each round (median and range): on a
+shared machine DynamicCache's own step time moved by ±15 % between runs, so read a ratio
+with its spread.
 
 Settings: ``default`` the runtime defaults (hot and warm tiers, dense; no cold tier; half the
 kept places to the newest tokens); ``score-only`` every kept place by score (``recent_share=0``);
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -120,11 +124,13 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
             options = {"keep_ratio": keep, "backend": args.backend, **SETTINGS[name]}
             runs.append((name, keep, functools.partial(CurKVCache, scorer, model=model, **options)))
     best: dict[int, dict[str, Any]] = {}
+    seconds: dict[int, list[float]] = {index: [] for index in range(len(runs))}  # decode_s of every round
     for round_index in range(args.rounds):
         # alternate the order: a run's place in the sequence shifts its speed on this machine
         order = list(enumerate(runs)) if round_index % 2 == 0 else list(enumerate(runs))[::-1]
         for index, (name, keep, make) in order:
             result = decode(model, make(), prompt, args.new_tokens)
+            seconds[index].append(result["decode_s"])
             if index not in best or result["decode_s"] < best[index]["decode_s"]:
                 best[index] = result
     rows = []
@@ -137,6 +143,8 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
                "compress_share": result["compress_s"] / result["decode_s"],
                "score_share": result["score_s"] / result["decode_s"], "tokens": result["tokens"]}
         row |= {key: result[key] for key in ("tiers", "factored") if key in result}
+        # the speed-up within each round (DynamicCache ran next to it): its spread is this machine's noise
+        row["vs_dynamic_rounds"] = sorted(base / own for base, own in zip(seconds[0], seconds[index]))
         rows.append(row)
         print(f"  {name:16s} keep {keep if keep is not None else '-':>4}: {row['tok_s']:6.2f} tok/s "
               f"(best of {args.rounds})", flush=True)
@@ -154,7 +162,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per cache: speed, ratios, memory, compression share, agreement."""
     print(f"context {rows[0]['context']} (decode steps timed after prefill; ratios from this run)")
     print(f"  {'cache':16s} {'keep':>4s} {'tok/s':>7s} {'med ms':>7s} {'vs dyn':>7s} {'vs dflt':>8s} {'MiB held':>9s} "
-          f"{'mem/dyn':>7s} {'compress':>8s} {'score':>6s} {'agree':>6s} {'cold':>5s}")
+          f"{'mem/dyn':>7s} {'compress':>8s} {'score':>6s} {'agree':>6s} {'cold':>5s}  vs dyn per round: median [min, max]")
     for row in rows:
         keep = "-" if row["keep"] is None else f"{row['keep']:.2f}"
         versus_default = "-" if row["vs_default"] is None else f"{row['vs_default']:.2f}x"
@@ -162,7 +170,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"  {row['cache']:16s} {keep:>4s} {row['tok_s']:7.2f} {row['median_step_ms']:7.1f} "
               f"{row['vs_dynamic']:6.2f}x {versus_default:>8s} "
               f"{row['bytes'] / 2**20:9.2f} {row['bytes_vs_dynamic']:7.2f} {row['compress_share']:8.1%} "
-              f"{row['score_share']:6.1%} {row['token_agreement']:6.2f} {cold!s:>5s}")
+              f"{row['score_share']:6.1%} {row['token_agreement']:6.2f} {cold!s:>5s}  {rounds_range(row)}")
+
+
+def rounds_range(row: dict[str, Any]) -> str:
+    """The per-round speed-ups over DynamicCache as ``median [min, max]``."""
+    ratios = row["vs_dynamic_rounds"]
+    return f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}, {ratios[-1]:.2f}]"
 
 
 def csv_ints(text: str) -> list[int]:
