@@ -2,7 +2,8 @@
 
 The ablation reading of a run: for each pair ``A..B`` (method names as in the run's rows; ``..``
 because names hold ``:``), per task and ratio, A's main metric minus B's on the same examples,
-with the paired 95 % bootstrap interval and the verdict the run's summary uses::
+with the paired 95 % bootstrap interval and the verdict the run's summary uses (prefill rows per
+example, streaming rows per segment)::
 
     curkv-train compare --run runs/eval-ablation --pairs "curkv:query_aware_dense..curkv:query_aware"
 """
@@ -15,41 +16,57 @@ from pathlib import Path
 from curkv_train.errors import CurKVError
 from curkv_train.eval.cli import NameList
 from curkv_train.eval.statistics import Bootstrap, example_sums, paired_difference, verdict
+from curkv_train.eval.streaming import FULL
+from curkv_train.eval.streaming import MAIN_METRIC as STREAM_METRIC
 from curkv_train.eval.tasks import TASKS
 
 SEPARATOR = ".."
 
 
+def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
+    """(method, setting, task) -> (row, kind, metric, full row, bootstrap) of a run's prefill rows (setting: the
+    ratio) and streaming rows (setting: the memory setting's label; the metric is the perplexity increase)."""
+    cells = {}
+    prefill = {(row["method"], row["ratio"], row["task"]): row for row in results["rows"]}
+    for (method, ratio, task), row in prefill.items():
+        cells[(method, f"{ratio:g}", task)] = (row, TASKS[task][0], results["main_metric"][task],
+                                               prefill.get(("full", 0.0, task)), Bootstrap(**results["bootstrap"]))
+    streaming = results.get("streaming") or {"rows": []}
+    stream = {(row["method"], row["setting"], row["task"]): row for row in streaming["rows"]}
+    for (method, setting, task), row in stream.items():
+        cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)),
+                                          Bootstrap(**streaming["bootstrap"]))
+    return cells
+
+
 def compare_methods(results: dict, first: str, second: str) -> list[dict]:
-    """Per (task, ratio) where both methods have rows: ``first`` − ``second`` on the task's main metric.
+    """Per (task, setting) where both methods have rows: ``first`` − ``second`` on the task's main metric.
 
     Args:
-        results: a run's results.json content (rows with per-example sums, main_metric, bootstrap).
+        results: a run's results.json content (rows with per-example sums, main_metric, bootstrap; and
+            the streaming task's rows, paired over segments, if it ran).
         first, second: method names of its rows.
 
     Returns:
-        entries with task, ratio, metric, both values, the difference, its interval and the verdict
-        (``wins`` means ``first`` is better).
+        entries with task, setting (a ratio, or a streaming memory setting), metric, both values, the
+        difference, its interval and the verdict (``wins`` means ``first`` is better).
     """
-    table = {(row["method"], row["ratio"], row["task"]): row for row in results["rows"]}
-    known = {row["method"] for row in results["rows"]}
+    cells = _cells(results)
+    known = {method for method, _, _ in cells}
     missing = [name for name in (first, second) if name not in known]
     if missing:
         raise CurKVError(f"method(s) {', '.join(map(repr, missing))} not in this run; it has: {', '.join(sorted(known))}")
-    bootstrap = Bootstrap(**results["bootstrap"])
     entries = []
-    for (method, ratio, task), row in table.items():
-        other = table.get((second, ratio, task))
+    for (method, setting, task), (row, kind, name, full_row, bootstrap) in cells.items():
+        other = cells.get((second, setting, task))
         if method != first or other is None:
             continue
-        name, kind = results["main_metric"][task], TASKS[task][0]
-        full_row = table.get(("full", 0.0, task))
         ours = example_sums(row)
         weights = bootstrap.weights(len(next(iter(ours.values()))), task)
-        difference = paired_difference(kind, name, ours, example_sums(other),
+        difference = paired_difference(kind, name, ours, example_sums(other[0]),
                                        example_sums(full_row) if full_row else None, weights, bootstrap)
-        entries.append({"task": task, "ratio": ratio, "metric": name, first: row["metrics"][name],
-                        second: other["metrics"][name], "difference": difference.point,
+        entries.append({"task": task, "setting": setting, "metric": name, first: row["metrics"][name],
+                        second: other[0]["metrics"][name], "difference": difference.point,
                         "interval": [difference.low, difference.high], "verdict": verdict(difference, name)})
     return entries
 
@@ -57,14 +74,14 @@ def compare_methods(results: dict, first: str, second: str) -> list[dict]:
 def comparison_markdown(run: str, pairs: list[str]) -> str:
     """A markdown table of :func:`compare_methods` for each ``A..B`` of ``pairs`` over the run folder ``run``."""
     results = json.loads((Path(run) / "results.json").read_text())
-    lines = ["| A | B | task | ratio | A | B | A − B [95 %] | verdict for A |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| A | B | task | setting | A | B | A − B [95 %] | verdict for A |", "|---|---|---|---|---|---|---|---|"]
     for pair in pairs:
         first, separator, second = pair.partition(SEPARATOR)
         if not separator or not first or not second:
             raise CurKVError(f"a pair is METHOD{SEPARATOR}METHOD, got {pair!r}")
         for entry in compare_methods(results, first, second):
             low, high = entry["interval"]
-            lines.append(f"| {first} | {second} | {entry['task']} | {entry['ratio']:g} | {entry[first]:.4g} | "
+            lines.append(f"| {first} | {second} | {entry['task']} | {entry['setting']} | {entry[first]:.4g} | "
                          f"{entry[second]:.4g} | {entry['difference']:+.3g} [{low:+.3g}, {high:+.3g}] | "
                          f"{entry['verdict']} |")
     return "\n".join(lines)

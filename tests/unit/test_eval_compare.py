@@ -1,6 +1,7 @@
 """curkv-train compare: paired differences between two methods of a run, and its errors."""
 
 import json
+import math
 
 import pytest
 
@@ -45,3 +46,25 @@ def test_the_command_prints_a_table_and_refuses_a_bad_pair(tmp_path, capsys):
         compare(str(tmp_path), ["a-b"])
     with pytest.raises(CurKVError, match="no results.json"):
         compare(str(tmp_path / "missing"), ["a..b"])
+
+
+def stream_row(method: str, nll_per_token: float, setting: str = "0.5") -> dict:
+    segments = 12
+    nll = [nll_per_token * 100 + 0.5 * (index % 3) for index in range(segments)]
+    return {"method": method, "setting": setting, "ratio": 0.5, "task": "stream_text",
+            "metrics": {"ppl_increase_pct": 100 * (nll_per_token / 2.0 - 1)},  # the value shown; not recomputed
+            "example_sums": {"nll": nll, "tokens": [100.0] * segments}}
+
+
+def test_streaming_rows_are_compared_per_segment_against_the_full_cache():
+    run = {"rows": [], "main_metric": {}, "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0},
+           "streaming": {"rows": [stream_row("full", 2.0, "full"), stream_row("a", 2.1), stream_row("b", 2.3)],
+                         "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0}}}
+    entry, = compare_methods(run, "a", "b")
+    assert entry["setting"] == "0.5" and entry["metric"] == "ppl_increase_pct" and entry["verdict"] == "wins"
+    # ΔPPL % = 100·(exp(NLL per token − the full cache's) − 1), recomputed from the segments: 0.1 and 0.3 nats
+    assert entry["difference"] == pytest.approx(100 * (math.exp(0.1) - math.exp(0.3)), rel=1e-6)
+    assert entry["interval"][1] < 0
+    assert compare_methods(run, "b", "a")[0]["verdict"] == "loses"
+    with pytest.raises(CurKVError, match="'c' not in this run; it has: a, b, full"):
+        compare_methods(run, "a", "c")
