@@ -28,14 +28,15 @@ def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     ratio) and streaming rows (setting: the memory setting's label; the metric is the perplexity increase)."""
     cells = {}
     prefill = {(row["method"], row["ratio"], row["task"]): row for row in results["rows"]}
+    bootstrap = Bootstrap(**results["bootstrap"])
     for (method, ratio, task), row in prefill.items():
         cells[(method, f"{ratio:g}", task)] = (row, TASKS[task][0], results["main_metric"][task],
-                                               prefill.get(("full", 0.0, task)), Bootstrap(**results["bootstrap"]))
-    streaming = results.get("streaming") or {"rows": []}
+                                               prefill.get(("full", 0.0, task)), bootstrap)
+    streaming = results.get("streaming") or {"rows": [], "bootstrap": results["bootstrap"]}
     stream = {(row["method"], row["setting"], row["task"]): row for row in streaming["rows"]}
+    bootstrap = Bootstrap(**streaming["bootstrap"])
     for (method, setting, task), row in stream.items():
-        cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)),
-                                          Bootstrap(**streaming["bootstrap"]))
+        cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)), bootstrap)
     return cells
 
 

@@ -67,12 +67,9 @@ class ObservationBuffer:
             self._add_to_statistics(queries, start)
         else:
             self.unfolded += new
-        if new == 1:  # a decode step: one slot
-            self.ring[:, :, start % self.window] = queries[:, :, 0]
-        else:
-            kept = min(new, self.window)
-            slots = torch.arange(start + new - kept, start + new, device=queries.device) % self.window
-            self.ring.index_copy_(2, slots, queries[:, :, new - kept:].to(self.ring.dtype))
+        kept = min(new, self.window)
+        slots = torch.arange(start + new - kept, start + new, device=queries.device) % self.window
+        self.ring.index_copy_(2, slots, queries[:, :, new - kept:].to(self.ring.dtype))
         self.seen = start + new
         if self.unfolded == self.window:
             self._fold()
