@@ -123,19 +123,15 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
         for name in args.settings:
             options = {"keep_ratio": keep, "backend": args.backend, **SETTINGS[name]}
             runs.append((name, keep, functools.partial(CurKVCache, scorer, model=model, **options)))
-    best: dict[int, dict[str, Any]] = {}
-    seconds: dict[int, list[float]] = {index: [] for index in range(len(runs))}  # decode_s of every round
+    rounds: dict[int, list[dict[str, Any]]] = {index: [] for index in range(len(runs))}  # every run, by round
     for round_index in range(args.rounds):
         # alternate the order: a run's place in the sequence shifts its speed on this machine
         order = list(enumerate(runs)) if round_index % 2 == 0 else list(enumerate(runs))[::-1]
         for index, (name, keep, make) in order:
-            result = decode(model, make(), prompt, args.new_tokens)
-            seconds[index].append(result["decode_s"])
-            if index not in best or result["decode_s"] < best[index]["decode_s"]:
-                best[index] = result
+            rounds[index].append(decode(model, make(), prompt, args.new_tokens))
     rows = []
     for index, (name, keep, _) in enumerate(runs):
-        result = best[index]
+        result = min(rounds[index], key=lambda run: run["decode_s"])
         steps = args.new_tokens - 1
         row = {"context": prompt.shape[-1], "cache": name, "keep": keep, "tok_s": steps / result["decode_s"],
                "median_step_ms": 1000 * result["median_step_s"], "prefill_s": result["prefill_s"],
@@ -144,7 +140,8 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
                "score_share": result["score_s"] / result["decode_s"], "tokens": result["tokens"]}
         row |= {key: result[key] for key in ("tiers", "factored") if key in result}
         # the speed-up within each round (DynamicCache ran next to it): its spread is this machine's noise
-        row["vs_dynamic_rounds"] = sorted(base / own for base, own in zip(seconds[0], seconds[index]))
+        row["vs_dynamic_rounds"] = sorted(base["decode_s"] / own["decode_s"]
+                                          for base, own in zip(rounds[0], rounds[index]))
         rows.append(row)
         print(f"  {name:16s} keep {keep if keep is not None else '-':>4}: {row['tok_s']:6.2f} tok/s "
               f"(best of {args.rounds})", flush=True)
