@@ -6,7 +6,7 @@ LightningCLI builds the root parser (jsonargparse) and its subcommands:
   signatures), plus ``--recipe NAME`` (:class:`~curkv_train.recipes.ActionRecipe`) and the
   callbacks every run needs (``--checkpoint.*``, ``--throughput.*``, ``--loss_guard``,
   ``--output_guard.*``; a recipe sets them under the same keys);
-- ``export``, ``eval``, ``compare``, ``plan`` and ``recipes``: the options of a function's signature and
+- ``export``, ``eval``, ``compare``, ``calibrate``, ``plan`` and ``recipes``: the options of a function's signature and
   docstring (:data:`FUNCTION_COMMANDS`); the function runs instead of Lightning's classes.
 
 Every ``--help`` is generated from those signatures. User errors (a :class:`CurKVError`, a
@@ -66,6 +66,7 @@ FUNCTION_COMMANDS = {
     "export": FunctionCommand("curkv_train.export:export"),
     "eval": FunctionCommand("curkv_train.eval.cli:run_eval", run="curkv_train.eval.cli:main"),
     "compare": FunctionCommand("curkv_train.eval.compare:compare"),
+    "calibrate": FunctionCommand("curkv_train.eval.calibrate:calibrate", run="curkv_train.eval.calibrate:main"),
     "plan": FunctionCommand("curkv_train.plan:plan_command"),
     "recipes": FunctionCommand("curkv_train.recipes:print_recipes"),
 }

@@ -36,6 +36,7 @@ from curkv_train.eval.scorers import (
     load_trained,
     parse_scorers,
     scorer_base,
+    scorer_fallback,
 )
 from curkv_train.eval.streaming import (
     STREAM_TASKS,
@@ -159,7 +160,7 @@ def run_eval(
         stream_documents: documents per streaming task, at most.
         stream_segment: scored tokens per bootstrap unit of the streaming task.
         stream_rows: streaming task: comma-separated subset of its rows (full, streaming_llm, curkv,
-            curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL, kvpress:decoding/NAME);
+            curkv_uniform, curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL, kvpress:decoding/NAME);
             default all; ``full`` always runs.
         budget_tokens: streaming task: also run every compressing method under a fixed budget of this
             many tokens per (layer, KV head), comma-separated budgets (the runtime cache's max_tokens).
@@ -175,7 +176,7 @@ def run_eval(
     main = entries[0] if entries else None
     reference = trained.get(main.method) if main else None
     reference = reference or next(iter(trained.values()), None)
-    fallback = None if base else _scorer_fallback(reference)
+    fallback = None if base else scorer_fallback(reference)
     base = base or scorer_base(reference) or (DEFAULT_BASE if not trained else None)
     if base is None:
         raise CurKVError(f"scorer {scorer!r} does not record its base model; pass --base")
@@ -281,14 +282,6 @@ def _check_shapes(settings: EvalSettings, context_length: int, continuation_leng
             settings.check_context(length, "passkey context")
         if not passkey_depths or any(not 0.0 <= depth <= 1.0 for depth in passkey_depths):
             raise CurKVError(f"--passkey_depths must lie in [0, 1], got {passkey_depths}")
-
-
-def _scorer_fallback(scorer: Scorer | None) -> str | None:
-    """The fallback base the scorer was trained with (its run's ``model.base_fallback``), if any."""
-    if scorer is None:
-        return None
-    hyper_parameters = scorer.metadata.get("training", {}).get("hyper_parameters", {})
-    return hyper_parameters.get("base_fallback")
 
 
 def main(**options) -> Path:

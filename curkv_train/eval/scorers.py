@@ -120,6 +120,14 @@ def scorer_base(scorer: Scorer | None) -> str | None:
     return (base.get("id") if isinstance(base, dict) else base) or None
 
 
+def scorer_fallback(scorer: Scorer | None) -> str | None:
+    """The fallback base the scorer was trained with (its run's ``model.base_fallback``), if any."""
+    if scorer is None:
+        return None
+    hyper_parameters = scorer.metadata.get("training", {}).get("hyper_parameters", {})
+    return hyper_parameters.get("base_fallback")
+
+
 def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -> Scorer:
     """An untrained estimator of ``family`` for ``model`` (seed 0, default options) with the default spans.
 

@@ -12,16 +12,17 @@ ratio 1 − ratio, the runtime cache's ``keep_ratio``) or a fixed budget (``max_
 (layer, KV head), or ``max_bytes`` for the whole cache, with keep ratio 1.0). The methods:
 
 - ``full``: transformers' DynamicCache, nothing dropped;
-- ``streaming_llm``: sinks + the most recent tokens (a :class:`RecencyCache` without tiers or
-  observation: the same tokens held as ``curkv``, fewer bytes);
+- ``streaming_llm``: sinks + the most recent tokens (a :class:`RecencyCache` without tiers,
+  observation or layer budget: as many tokens held as ``curkv`` on average over layers, fewer bytes);
 - ``curkv``: CurKVCache with the trained scorer at the runtime defaults (dense tiers only, half
-  the kept places to the newest tokens);
+  the kept places to the newest tokens, the scorer's calibrated layer budget if it has one);
+- ``curkv_uniform``: the same with one keep ratio for every layer (``layer_budget="uniform"``);
 - ``curkv_score_only``: the same with every kept place given by the score (``recent_share=0``);
 - ``curkv_cold``: + the opt-in cold CUR tier, without residual compensation;
 - ``curkv_compensated``: + the cold tier with residual compensation;
-- ``recency``: ``curkv``'s cache with score = position: the same tiers, selection and bytes,
-  the newest tokens kept instead of the best-scored ones (the learned choice against recency
-  at equal bytes);
+- ``recency``: ``curkv``'s cache with score = position: the same tiers, selection, layer budget
+  and bytes, the newest tokens kept instead of the best-scored ones (the learned choice against
+  recency at equal bytes);
 - every further scorer of ``--scorer`` at the runtime defaults (``curkv:LABEL``);
 - with ``--kvpress``, kvpress's DecodingPress over a ScorerPress (``kvpress:decoding/NAME``):
   the prefill compressed by the press, then every ``window`` tokens to the tokens
@@ -71,9 +72,10 @@ from curkv_train.runtime.scorer import Scorer
 
 # task -> the document source kind it reads
 STREAM_TASKS = {"stream_text": PYTHON_TEXT, "stream_code": "stdlib"}
-FULL, STREAMING_LLM, CURKV, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY = (
-    "full", "streaming_llm", "curkv", "curkv_score_only", "curkv_cold", "curkv_compensated", "recency")
-METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY)
+FULL, STREAMING_LLM, CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY = (
+    "full", "streaming_llm", "curkv", "curkv_uniform", "curkv_score_only", "curkv_cold", "curkv_compensated",
+    "recency")
+METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY)
 PRESS_PREFIX = "kvpress:decoding/"
 # ScorerPresses DecodingPress runs over (names of kvpress_bridge.PRESSES), and those it cannot, with why
 DECODING_PRESSES = ("expected_attention", "snapkv", "knorm")
@@ -290,10 +292,11 @@ def stream_methods(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: 
                                                      **memory.cache_options()))
 
     methods = [StreamMethod(FULL, lambda memory: StreamRun(plain_cache(model))),
-               StreamMethod(STREAMING_LLM, recency(cold=False, observe=False))]
+               StreamMethod(STREAMING_LLM, recency(cold=False, observe=False, layer_budget="uniform"))]
     if main:
         scorer = scorers[main]
         methods += [StreamMethod(main, curkv(scorer)),
+                    StreamMethod(CURKV_UNIFORM + suffix, curkv(scorer, layer_budget="uniform")),
                     StreamMethod(CURKV_SCORE_ONLY + suffix, curkv(scorer, recent_share=0.0)),
                     StreamMethod(CURKV_COLD + suffix, curkv(scorer, cold=True, compensation=False)),
                     StreamMethod(CURKV_COMPENSATED + suffix, curkv(scorer, cold=True))]
@@ -354,7 +357,8 @@ def _press_builder(model: PreTrainedModel, carrier: Scorer, name: str,
             return super().compress(module, hidden_states, keys, values, attentions, kwargs)
 
     def build(memory: MemorySetting) -> StreamRun:
-        reference = RecencyCache(carrier, model=model, cold=False, observe=False, **memory.cache_options()).settings
+        reference = RecencyCache(carrier, model=model, cold=False, observe=False, layer_budget="uniform",
+                                 **memory.cache_options()).settings
         prefix = settings.prefix
         prefill_ratio = max(0.0, 1.0 - (held_after(reference, prefix) + 0.5) / prefix)  # int(n·(1 − r)) kept
         seen = {"after": prefix}

@@ -125,6 +125,22 @@ def wrapped_function(module: torch.nn.Module, implementation: str) -> AttentionF
     return _eager_function(module) if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
 
 
+def fit_mask(attention_mask: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """The model's mask (batch, 1, queries, keys), built for layer 0's held tokens, fitted to a layer holding
+    ``width`` keys (a layer budget gives layers different counts).
+
+    Held tokens all precede the new ones and, unpadded, every query sees all of them, so only the
+    leading all-visible columns differ: they are cut or repeated on the left.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape[-1] == width:
+        return attention_mask
+    extra = width - attention_mask.shape[-1]
+    if extra < 0:
+        return attention_mask[..., -extra:]
+    visible = attention_mask[..., :1].expand(*attention_mask.shape[:-1], extra)
+    return torch.cat([visible, attention_mask], dim=-1)
+
+
 def factored_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, attention_mask: torch.Tensor | None,
                                layer: CurKVLayer, dropout: float = 0.0, scaling: float | None = None,
@@ -147,6 +163,8 @@ def factored_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         raise CurKVError("factored cold attention is for inference; put the model in eval mode (dropout > 0)")
     cold = layer.factored_cold
     cold_tokens = sum(block.tokens for block in cold)
+    if layer.settings.layer_budget is not None:
+        attention_mask = fit_mask(attention_mask, layer.held_tokens + query.shape[-2])
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != cold_tokens + key.shape[-2]:
         raise CurKVError(f"layer {layer.layer_idx}: the attention mask spans {attention_mask.shape[-1]} keys, "
                          f"expected {cold_tokens} cold + {key.shape[-2]} dense; was the cache modified mid-step?")
@@ -162,6 +180,8 @@ def make_factored_attention(implementation: str) -> AttentionFn:
                   attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         layer = cache_layer_of(module)
         if layer is None or not layer.factored_cold:
+            if layer is not None and layer.settings.layer_budget is not None:
+                attention_mask = fit_mask(attention_mask, key.shape[-2])
             return wrapped_function(module, implementation)(module, query, key, value, attention_mask,
                                                             *args, **kwargs)
         return factored_attention_forward(module, query, key, value, attention_mask, layer, *args, **kwargs)
@@ -180,9 +200,11 @@ def register_factored_attention(implementation: str) -> str:
     return name
 
 
-def install_runtime_attention(model: PreTrainedModel, factored: bool = True) -> bool:
-    """Hook every decoder attention module of ``model`` and, with ``factored``, switch it to factored
-    cold attention (both idempotent).
+def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per_layer: bool = False) -> bool:
+    """Hook every decoder attention module of ``model`` and, with ``factored`` or ``per_layer``, switch it to
+    the wrapper (both idempotent): it attends to cold blocks through their factors and fits the
+    model's mask to each layer's held tokens (layers of a cache with a layer budget hold different
+    counts; the model builds one mask, for layer 0).
 
     Returns:
         Whether the model now runs factored cold attention (asked for, and its implementation
@@ -196,15 +218,19 @@ def install_runtime_attention(model: PreTrainedModel, factored: bool = True) -> 
             setattr(projection, ATTENTION_ATTRIBUTE, weakref.ref(module))
             projection.register_forward_hook(record_queries)
     implementation = model.config._attn_implementation
-    if not factored:
+    if not (factored or per_layer):
         return False
     if is_factored(implementation):
-        return True
+        return factored
     if implementation not in WRAPPABLE:
-        log.info("attention implementation %r: CurKVCache reconstructs its cold blocks at each step "
-                 "(factored cold attention wraps %s)", implementation, " or ".join(WRAPPABLE))
+        if per_layer:
+            log.info("attention implementation %r: a layer budget needs masks fitted per layer, done for %s only; "
+                     "implementations without a 4D mask need none", implementation, " or ".join(WRAPPABLE))
+        if factored:
+            log.info("attention implementation %r: CurKVCache reconstructs its cold blocks at each step "
+                     "(factored cold attention wraps %s)", implementation, " or ".join(WRAPPABLE))
         return False
     if implementation == "eager":
         _eager_function(attention_modules(model)[0])
     model.set_attn_implementation(register_factored_attention(implementation))
-    return True
+    return factored

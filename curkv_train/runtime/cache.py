@@ -65,6 +65,7 @@ from curkv_train.core.selection import (
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.buffer import buffer_of, buffered
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.scorer import Scorer
@@ -101,6 +102,7 @@ class TierSettings:
     max_tokens: int | None
     backend: str
     recent_share: float
+    layer_budget: LayerBudget | None = None
 
     def __post_init__(self) -> None:
         check_keep_ratio(self.keep_ratio, allow_adaptive=True)
@@ -133,14 +135,25 @@ class TierSettings:
         """Most compressible tokens (warm + cold) held under ``max_tokens``, or None without a budget."""
         return None if self.max_tokens is None else self.max_tokens - self.fixed_tokens
 
-    def ratio(self, seen: int) -> float:
-        """The keep ratio ρ in force after ``seen`` tokens."""
-        return adaptive_keep_ratio(seen) if self.keep_ratio == ADAPTIVE else self.keep_ratio
+    def ratio(self, seen: int, layer: int | None = None) -> float:
+        """The keep ratio ρ in force after ``seen`` tokens: the mean over layers, or ``layer``'s share of it
+        under a layer budget."""
+        ratio = adaptive_keep_ratio(seen) if self.keep_ratio == ADAPTIVE else self.keep_ratio
+        return ratio if layer is None or self.layer_budget is None else self.layer_budget.ratios(ratio)[layer]
 
-    def target(self, compressible_seen: int, seen: int) -> int:
-        """Compressible tokens to hold (warm + cold) after ``compressible_seen`` of them went by."""
-        count = kept_count(compressible_seen, self.ratio(seen))
-        return count if self.max_tokens is None else min(count, self.kept_cap)
+    def target(self, compressible_seen: int, seen: int, layer: int | None = None) -> int:
+        """Compressible tokens to hold (warm + cold) after ``compressible_seen`` of them went by, in ``layer``
+        (the mean layer's without it).
+
+        A token budget caps the mean over layers: under a layer budget the capped mean ratio is split
+        across the layers like any other, so the whole cache holds what a uniform one would.
+        """
+        ratio = self.ratio(seen)
+        if self.max_tokens is not None and compressible_seen:
+            ratio = min(ratio, self.kept_cap / compressible_seen)
+        if layer is not None and self.layer_budget is not None:
+            ratio = self.layer_budget.ratios(ratio)[layer]
+        return kept_count(compressible_seen, ratio)
 
 
 @dataclass
@@ -290,11 +303,11 @@ class CurKVLayer(CacheLayerMixin):
         self.compressible_seen += aged
         self.n_hot = settings.hot_tokens
         candidates = self.n_warm + aged
-        keep = max(0, settings.target(self.compressible_seen, self.seen) - self.cold_tokens)
+        keep = max(0, settings.target(self.compressible_seen, self.seen, self.layer_idx) - self.cold_tokens)
         if keep < candidates:
             self._evict(candidates, keep)
         self.n_warm = min(keep, candidates)
-        if settings.cold and settings.ratio(self.seen) < 1.0:
+        if settings.cold and settings.ratio(self.seen, self.layer_idx) < 1.0:
             self._spill_to_cold()
 
     def _evict(self, candidates: int, keep: int) -> None:
@@ -318,7 +331,7 @@ class CurKVLayer(CacheLayerMixin):
     def _spill_to_cold(self) -> None:
         """Factor the oldest warm tokens beyond the warm capacity into a new cold block."""
         settings = self.settings
-        capacity = kept_count(settings.warm_tokens, settings.ratio(self.seen))
+        capacity = kept_count(settings.warm_tokens, settings.ratio(self.seen, self.layer_idx))
         overflow = self.n_warm - capacity
         if overflow < settings.cold_block:
             return
@@ -452,6 +465,10 @@ class CurKVCache(Cache):
         max_bytes: the budget in bytes for the whole cache (what a server sizes by), turned into
             ``max_tokens`` with every token counted as dense (cold tokens cost less, so the
             bytes held stay below it); with both, the smaller budget wins.
+        layer_budget: how ρ is split across layers: ``"scorer"`` (default) the scorer's calibrated
+            :class:`~curkv_train.runtime.allocation.LayerBudget` when it has one (``curkv-train
+            calibrate``), else one ratio for every layer; ``"uniform"`` one ratio for every layer; or
+            a LayerBudget. The mean of the layers' ratios is ρ, so the bytes held are the same.
         backend: compaction and factored-attention kernel backend (auto, torch, triton).
         factored_attention: attend to cold blocks through their factors (the model's sdpa or
             eager attention is wrapped, see :mod:`curkv_train.runtime.attention`); False
@@ -465,7 +482,8 @@ class CurKVCache(Cache):
                  cold: bool = False, cold_block: int | None = None, cold_rows: int | None = None,
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
                  compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
-                 backend: str = "auto", factored_attention: bool = True) -> None:
+                 layer_budget: str | LayerBudget = "scorer", backend: str = "auto",
+                 factored_attention: bool = True) -> None:
         from curkv_train.runtime.attention import install_runtime_attention
         from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 
@@ -483,7 +501,7 @@ class CurKVCache(Cache):
             warm_tokens=window * warm_windows if warm else 0, cold=cold, cold_block=cold_block or 4 * window,
             cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,
             compensation=compensation, compensation_ratio=compensation_ratio, max_tokens=max_tokens,
-            backend=backend, recent_share=recent_share)
+            backend=backend, recent_share=recent_share, layer_budget=self._layer_budget(layer_budget, scorer))
         layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
                   for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
@@ -492,7 +510,24 @@ class CurKVCache(Cache):
             self.settings = dataclasses.replace(self.settings, max_tokens=min(budget, max_tokens or budget))
             for layer in self.layers:
                 layer.settings = self.settings
-        self.factored_attention = install_runtime_attention(model, factored=cold and factored_attention)
+        self.factored_attention = install_runtime_attention(
+            model, factored=cold and factored_attention, per_layer=self.settings.layer_budget is not None)
+
+    @staticmethod
+    def _layer_budget(choice: str | LayerBudget, scorer: Scorer) -> LayerBudget | None:
+        """The layer budget ``choice`` names (None: one ratio for every layer); a one-line error for a bad one."""
+        if isinstance(choice, LayerBudget):
+            budget = choice
+        elif choice == "scorer":
+            budget = scorer.layer_budget
+        elif choice == "uniform":
+            return None
+        else:
+            raise CurKVError(f"layer_budget must be 'scorer', 'uniform' or a LayerBudget, got {choice!r}")
+        if budget is not None and budget.num_layers != scorer.estimator.num_layers:
+            raise CurKVError(f"the layer budget covers {budget.num_layers} layers, the model has "
+                             f"{scorer.estimator.num_layers}")
+        return budget
 
     def _observer(self, layer: int) -> ObservationBuffer:
         """An empty observation buffer sized for the scorer's needs at ``layer``."""
@@ -554,4 +589,4 @@ class CurKVCache(Cache):
         """Most tokens layer ``layer_idx`` may hold per (batch, KV head) at its current length."""
         layer, settings = self.layers[layer_idx], self.settings
         pending = settings.hot_tokens + settings.window - 1
-        return settings.n_sink + pending + settings.target(layer.compressible_seen, layer.seen)
+        return settings.n_sink + pending + settings.target(layer.compressible_seen, layer.seen, layer_idx)

@@ -12,6 +12,7 @@ from curkv_train.core.observation import Observation, attention_module, observe_
 from curkv_train.core.rope import key_view
 from curkv_train.errors import CurKVError
 from curkv_train.models.estimator import EstimatorInputs
+from curkv_train.runtime.allocation import LayerBudget
 
 
 @dataclass
@@ -26,6 +27,8 @@ class Scorer:
         keep_ratio: the keep ratio ρ of its last training step; the middle of the keep ratios of a last
             stage that drew a compression ratio per step (scorer.json's training.last_stage has the range).
         temperature: the score temperature T of its last training stage (s = σ(z / T)).
+        layer_budget: how CurKVCache splits a keep ratio across layers (``curkv-train calibrate``),
+            or None for one ratio everywhere.
     """
 
     estimator: nn.Module
@@ -35,6 +38,7 @@ class Scorer:
     metadata: dict = field(default_factory=dict)
     keep_ratio: float = 0.5
     temperature: float = 1.0
+    layer_budget: LayerBudget | None = None
 
     @property
     def family(self) -> str:

@@ -24,6 +24,7 @@ from curkv_train.core.atomic import atomic_folder
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.errors import CurKVError
 from curkv_train.models.estimators import CLASS_FAMILIES, ESTIMATORS, check_family
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,10 @@ def scorer_record(scorer: Scorer, base_model: str | None = None, fingerprint: di
                       "config": scorer.estimator.config()},
         "settings": {name: getattr(scorer, name) for name in SCORER_SETTINGS},
     })
+    if scorer.layer_budget is None:
+        record.pop("layer_budget", None)
+    else:  # how it was measured (``calibration``) stays beside the numbers
+        record["layer_budget"] = {**(record.get("layer_budget") or {}), **scorer.layer_budget.record()}
     return _jsonable(record)
 
 
@@ -171,10 +176,27 @@ def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
                          "the file is corrupt or was changed; re-export or re-download it")
     estimator = _load_estimator(record["estimator"], weights_path).to(device).eval().requires_grad_(False)
     settings = record.get("settings", {})
-    scorer = Scorer(estimator, metadata=record, **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
+    scorer = Scorer(estimator, metadata=record, layer_budget=_layer_budget(record, config_path=folder / CONFIG_FILE),
+                    **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
     if model is not None:
         check_scorer_fits(scorer, model)
     return scorer
+
+
+def _layer_budget(record: dict, config_path: Path) -> LayerBudget | None:
+    """scorer.json's ``layer_budget`` (None without one); a one-line error for a malformed one."""
+    entry = record.get("layer_budget")
+    if entry is None:
+        return None
+    try:
+        budget = LayerBudget.from_record(entry)
+    except (KeyError, TypeError, ValueError) as error:
+        raise CurKVError(f"{config_path}: malformed layer_budget ({type(error).__name__}: {error}); "
+                         "re-run `curkv-train calibrate`") from None
+    layers = record.get("estimator", {}).get("config", {}).get("num_layers")
+    if layers is not None and budget.num_layers != layers:
+        raise CurKVError(f"{config_path}: layer_budget covers {budget.num_layers} layers, the estimator {layers}")
+    return budget
 
 
 def record_family(entry: dict) -> str:

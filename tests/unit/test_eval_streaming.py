@@ -18,6 +18,7 @@ from curkv_train.eval.streaming import (
     CURKV,
     CURKV_COMPENSATED,
     CURKV_SCORE_ONLY,
+    CURKV_UNIFORM,
     FULL,
     PRESS_PREFIX,
     RECENCY,
@@ -73,7 +74,8 @@ def test_at_keep_one_every_method_equals_the_full_cache(model, scorer):
     methods, _ = methods_by_name(model, scorer, settings)
     ids = tokens(260, seed=1)
     full = stream_document(model, methods[FULL].build(settings.memory[0]), ids, PREFIX, WINDOW)
-    assert {STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV, CURKV_SCORE_ONLY, RECENCY} <= set(methods)
+    assert {STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY,
+            RECENCY} <= set(methods)
     for name, method in methods.items():
         trace = stream_document(model, method.build(settings.memory[0]), ids, PREFIX, WINDOW)
         np.testing.assert_allclose(trace.nll, full.nll, atol=2e-5, err_msg=name)
@@ -86,6 +88,21 @@ def test_score_only_row_gives_every_place_to_the_score(model, scorer):
     shares = {name: methods[name].build(settings.memory[0]).cache.settings.recent_share
               for name in (CURKV, CURKV_SCORE_ONLY, RECENCY)}
     assert shares == {CURKV: 0.5, CURKV_SCORE_ONLY: 0.0, RECENCY: 0.5}
+
+
+def test_layer_budget_rows(model):
+    """The scorer's layer budget runs in curkv and recency (equal allocation), not in streaming_llm or
+    curkv_uniform."""
+    from curkv_train.runtime.allocation import LayerBudget
+
+    scorer = random_scorer(window=WINDOW)
+    scorer.layer_budget = LayerBudget((0.5, 2.0))
+    settings = StreamSettings(memory_settings([0.5]), prefix=PREFIX, chunk=WINDOW, backend="torch")
+    methods, _ = methods_by_name(model, scorer, settings)
+    budgets = {name: methods[name].build(settings.memory[0]).cache.settings.layer_budget
+               for name in (CURKV, CURKV_UNIFORM, RECENCY, STREAMING_LLM)}
+    assert budgets == {CURKV: scorer.layer_budget, CURKV_UNIFORM: None, RECENCY: scorer.layer_budget,
+                       STREAMING_LLM: None}
 
 
 @pytest.mark.parametrize("family", ["seed", "query_aware"])
@@ -249,7 +266,7 @@ def test_streaming_through_the_cli(tmp_path, capsys):
     assert streaming["documents"]["stream_text"][0]["sources"][0].startswith(f"{PYTHON_TEXT}/")
     assert streaming["documents"]["stream_code"][0]["sources"][0].startswith("stdlib/")
     assert {row["method"] for row in streaming["rows"]} == {FULL, STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV,
-                                                           CURKV_SCORE_ONLY, RECENCY}
+                                                           CURKV_UNIFORM, CURKV_SCORE_ONLY, RECENCY}
     markdown = (run / "results.md").read_text()
     assert "## Streaming" in markdown and "### stream_code" in markdown and "| recency |" in markdown
     assert (run / "plots" / "streaming__stream_text.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,159 @@
+"""``curkv-train calibrate``: measure how much each layer's compression costs, and record the layer budget.
+
+Each calibration document (blocks of the scorer's own training split: its recipe's text and
+code sources, never evaluation text) is streamed through the runtime cache as
+``curkv-train eval``'s streaming task does (prefill a prefix, then chunks, re-compressing every
+window). Per decoder layer, the cache compresses that layer alone, to ``probe_keep``; the
+perplexity increase over the full cache is the layer's sensitivity. Then each candidate
+exponent of :class:`~curkv_train.runtime.allocation.LayerBudget` splits ``keep_ratio`` across
+layers on the same documents, and the one of least perplexity increase is recorded (0, one
+ratio for every layer, is among them, so a budget never does worse than uniform on the
+calibration documents). The result is written into the scorer's ``scorer.json`` (atomically;
+the weights are untouched), where :class:`~curkv_train.runtime.CurKVCache` reads it by default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from curkv_train.core.atomic import write_atomic
+from curkv_train.data.synthetic import SYNTHETIC_TASKS
+from curkv_train.errors import CurKVError
+from curkv_train.eval.cached import plain_cache
+from curkv_train.eval.cli import FloatList
+from curkv_train.eval.scorers import scorer_base, scorer_fallback
+from curkv_train.eval.streaming import StreamRun, stream_document
+from curkv_train.eval.tasks import DataRecipe
+from curkv_train.models.base import load_base_model, load_tokenizer
+from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.scorer import Scorer
+from curkv_train.runtime.serialization import CONFIG_FILE, load_scorer, resolve_scorer_dir
+
+
+@dataclass(frozen=True)
+class ProbeBudget(LayerBudget):
+    """A layer budget that compresses one layer (``layer``, to ``keep``) and keeps every other whole."""
+
+    layer: int = 0
+    keep: float = 0.3
+
+    def ratios(self, ratio: float) -> tuple[float, ...]:
+        """1.0 for every layer but ``layer``, whatever the mean ratio asked for."""
+        return tuple(self.keep if index == self.layer else 1.0 for index in range(self.num_layers))
+
+
+def calibration_documents(tokenizer, recipe: DataRecipe, *, length: int, per_source: int) -> list[torch.Tensor]:
+    """(1, length) token blocks of the training split of every non-synthetic source of ``recipe``,
+    ``per_source`` of each, spread evenly over its stream."""
+    from curkv_train.data.tokenized import token_stream
+
+    blocks = []
+    for source in recipe.sources:
+        if source.kind in SYNTHETIC_TASKS:
+            continue
+        stream = token_stream(tokenizer, source.kind, "train", **source.arguments())
+        if len(stream) < length:
+            continue
+        step = (len(stream) - length) // per_source
+        blocks += [torch.from_numpy(stream[index * step : index * step + length].copy())[None]
+                   for index in range(per_source)]
+    if not blocks:
+        raise CurKVError(f"the scorer's recipe has no text or code source with {length} training tokens to "
+                         "calibrate on; lower --length")
+    return blocks
+
+
+class Calibration:
+    """Streams the calibration documents through caches and measures the perplexity increase (%)."""
+
+    def __init__(self, model: PreTrainedModel, scorer: Scorer, documents: list[torch.Tensor], *, prefix: int,
+                 chunk: int) -> None:
+        self.model, self.scorer, self.documents, self.prefix, self.chunk = model, scorer, documents, prefix, chunk
+        self.full_nll = self._nll(lambda: plain_cache(model))
+
+    def _nll(self, cache) -> float:
+        """Mean NLL over every scored token of every document, each streamed through a fresh ``cache()``."""
+        traces = [stream_document(self.model, StreamRun(cache()), ids, self.prefix, self.chunk)
+                  for ids in self.documents]
+        return float(np.concatenate([trace.nll for trace in traces]).mean())
+
+    def increase(self, keep_ratio: float, budget: LayerBudget | str) -> float:
+        """Perplexity increase (%) of the runtime cache at ``keep_ratio`` with ``budget`` over the full cache."""
+        nll = self._nll(lambda: CurKVCache(self.scorer, model=self.model, keep_ratio=keep_ratio, layer_budget=budget))
+        return 100.0 * (math.exp(nll - self.full_nll) - 1.0)
+
+
+def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exponents: FloatList = FloatList([0.5, 1.0, 2.0]),
+              floor: float = 0.4, length: int = 2048, prefix: int = 512, chunk: int = 64, per_source: int = 1,
+              base: str | None = None) -> LayerBudget:
+    """Measure every layer's sensitivity and write the scorer's layer budget into its scorer.json.
+
+    Args:
+        scorer: the scorer folder (``checkpoints/NAME``); its scorer.json is rewritten in place.
+        keep_ratio: the mean keep ratio the exponents are compared at.
+        probe_keep: the keep ratio of the one layer compressed when measuring its sensitivity.
+        exponents: candidate exponents (0, one ratio for every layer, is always tried).
+        floor: least keep ratio of any layer, as a share of the mean.
+        length: tokens per calibration document.
+        prefix: tokens of it prefilled at once (the perplexity is over the rest).
+        chunk: tokens fed per step after the prefix.
+        per_source: documents per text or code source of the scorer's recipe.
+        base: the base model (default: the one the scorer records).
+
+    Returns:
+        The budget written.
+    """
+    if not (0.0 < probe_keep < 1.0 and 0.0 < keep_ratio < 1.0) or length <= prefix or min(prefix, chunk, per_source) < 1:
+        raise CurKVError(f"calibrate needs 0 < probe_keep, keep_ratio < 1, length > prefix >= 1, chunk >= 1 and "
+                         f"per_source >= 1; got {probe_keep}, {keep_ratio}, {length}, {prefix}, {chunk}, {per_source}")
+    folder = resolve_scorer_dir(scorer)
+    loaded = load_scorer(folder)
+    model = load_base_model(base or scorer_base(loaded), fallback=None if base else scorer_fallback(loaded))
+    loaded = load_scorer(folder, model=model)
+    tokenizer = load_tokenizer(base or scorer_base(loaded), fallback=None if base else scorer_fallback(loaded))
+    documents = calibration_documents(tokenizer, DataRecipe.of_scorer(loaded.metadata), length=length,
+                                      per_source=per_source)
+    calibration = Calibration(model, loaded, documents, prefix=prefix, chunk=chunk)
+    layers = loaded.estimator.num_layers
+    sensitivity = tuple(calibration.increase(1.0, ProbeBudget((1.0,) * layers, layer=layer, keep=probe_keep))
+                        for layer in range(layers))
+    _say(f"sensitivity (% perplexity, one layer at keep {probe_keep}): {', '.join(f'{s:.3f}' for s in sensitivity)}")
+    tried = {}
+    for exponent in dict.fromkeys([0.0, *map(float, exponents)]):
+        tried[exponent] = calibration.increase(keep_ratio, LayerBudget(sensitivity, exponent, floor))
+        _say(f"exponent {exponent:g}: +{tried[exponent]:.3f} % perplexity at keep {keep_ratio}")
+    budget = LayerBudget(sensitivity, min(tried, key=tried.get), floor)
+    record = {**budget.record(), "calibration": {
+        "keep_ratio": keep_ratio, "probe_keep": probe_keep, "length": length, "prefix": prefix, "chunk": chunk,
+        "documents": len(documents), "sources": [source.kind for source in DataRecipe.of_scorer(loaded.metadata).sources
+                                                 if source.kind not in SYNTHETIC_TASKS],
+        "ppl_increase_pct_by_exponent": {f"{exponent:g}": value for exponent, value in tried.items()}}}
+    _write_budget(folder / CONFIG_FILE, record)
+    return budget
+
+
+def _write_budget(config_path: Path, budget: dict) -> None:
+    """Put ``budget`` as scorer.json's ``layer_budget``, rewriting the file atomically."""
+    record = json.loads(config_path.read_text())
+    record["layer_budget"] = budget
+    write_atomic(config_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def _say(line: str) -> None:
+    print(f"curkv-train calibrate: {line}", file=sys.stderr, flush=True)
+
+
+def main(**options) -> LayerBudget:
+    """``curkv-train calibrate``: run :func:`calibrate`, print the exponent chosen."""
+    budget = calibrate(**options)
+    print(f"layer budget written: exponent {budget.exponent:g}, floor {budget.floor:g}")
+    return budget
