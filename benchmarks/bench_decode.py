@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 128] [--threads 2]
-       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot] [--backend auto]
+       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot,uniform] [--backend auto]
        [--rounds 2]
 
 For every context length: a prompt of that many tokens (the Python standard library's own
@@ -28,7 +28,8 @@ kept places to the newest tokens); ``score-only`` every kept place by score (``r
 ``cold`` + the opt-in cold CUR tier (factored cold attention, residual compensation);
 ``cold-rebuild`` the same but rebuilding cold blocks densely each step
 (``factored_attention=False``); ``cold-no-compensation`` cold without the sparse residual;
-``cold-no-warm`` cold with warm=False; ``no-hot`` hot=False.
+``cold-no-warm`` cold with warm=False; ``no-hot`` hot=False; ``uniform`` one keep ratio for every
+layer (``layer_budget="uniform"``; the default follows the scorer's calibrated budget, if any).
 
 The timing hooks wrap ``CurKVLayer.compress`` and ``CurKVCache._score`` inside this
 script only; the library carries no instrumentation.
@@ -61,6 +62,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "cold-no-compensation": {"cold": True, "compensation": False},
     "cold-no-warm": {"cold": True, "warm": False},
     "no-hot": {"hot": False},
+    "uniform": {"layer_budget": "uniform"},
 }
 BASELINE = "dynamic"
 DEFAULT = "default"
