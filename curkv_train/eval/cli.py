@@ -23,6 +23,7 @@ from curkv_train.eval.methods import (
     BASELINES,
     CURKV,
     CURKV_CACHE,
+    CURKV_UNIFORM,
     FULL,
     SCORER_METHODS,
     build_methods,
@@ -133,8 +134,9 @@ def run_eval(
             stream_text, stream_code (streaming: long documents fed through each cache in chunks).
         methods: comma-separated subset of full, random, streaming_llm, h2o, snapkv, tova, knorm,
             curdkv, expected_attention, curkv, curkv_cache (the scorer through the runtime CurKVCache);
-            default all (curkv and curkv_cache only with a scorer). Prefill tasks only: the streaming
-            task runs its own methods.
+            default all (curkv and curkv_cache only with a scorer). A scorer with a calibrated layer
+            budget keeps ρ per layer in its curkv rows and gets a curkv_uniform row beside them (one
+            ratio for every layer). Prefill tasks only: the streaming task runs its own methods.
         out: run directory.
         context_length: context tokens per example (compressed).
         continuation_length: continuation tokens per example (scored).
@@ -226,7 +228,8 @@ def run_eval(
     cache_methods = ({entry.suffixed(CURKV_CACHE): scorers[entry.method] for entry in entries}
                      if CURKV_CACHE in method_names else {})
     ours = main.method if main else CURKV
-    not_baselines = tuple(name for name in [*scorers, *cache_methods] if name != ours)
+    uniform_rows = [name for name in score_functions if name.startswith(CURKV_UNIFORM)]
+    not_baselines = tuple(name for name in [*scorers, *cache_methods, *uniform_rows] if name != ours)
     results = evaluate(model, task_examples, score_functions, settings, progress=progress, tokenizer=tokenizer,
                        cache_methods=cache_methods, ours=ours, not_baselines=not_baselines)
     if stream is not None:

@@ -7,6 +7,8 @@ length, cache positions (what the causal mask is built from) from the kept lengt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -34,19 +36,23 @@ def kept_tokens(cache: DynamicCache) -> float:
 
 
 def compress_prefill(model: PreTrainedModel, prefill: Prefill, scores: list[torch.Tensor] | None, *,
-                     n_sink: int, window: int, keep_ratio: float, backend: str = "auto") -> DynamicCache:
+                     n_sink: int, window: int, keep_ratio: float | Sequence[float],
+                     backend: str = "auto") -> DynamicCache:
     """The cache after the shared selection path.
 
     Args:
         prefill: the uncompressed context.
         scores: per layer, (batch, kv_heads, tokens) keep scores; None keeps everything (full cache).
-        n_sink, window, keep_ratio: the selection's protected spans and ρ.
+        n_sink, window: the selection's protected spans.
+        keep_ratio: ρ, or one per layer (a layer budget: layers then hold different counts, and the
+            continuation needs the attention wrapper that fits the mask per layer).
     """
-    if scores is None or keep_ratio >= 1.0:
+    ratios = [keep_ratio] * len(prefill.keys) if isinstance(keep_ratio, (int, float)) else list(keep_ratio)
+    if scores is None or min(ratios) >= 1.0:
         return cache_from_layers(model, prefill.keys, prefill.values)
     kept_keys, kept_values = [], []
-    for layer_scores, keys, values in zip(scores, prefill.keys, prefill.values):
-        keep = select_kept(layer_scores, n_sink, window, keep_ratio)
+    for layer_scores, keys, values, ratio in zip(scores, prefill.keys, prefill.values, ratios, strict=True):
+        keep = select_kept(layer_scores, n_sink, window, ratio)
         layer_keys, layer_values = compress_kv(keys, values, keep, backend=backend)
         kept_keys.append(layer_keys)
         kept_values.append(layer_values)
@@ -76,7 +82,8 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
 @torch.no_grad()
 def batched_continuation_logits(model: PreTrainedModel, caches: list[DynamicCache], continuation_ids: torch.Tensor,
                                 context_length: int, max_batch: int = 8) -> list[torch.Tensor]:
-    """Logits of one continuation after each of ``caches``, caches of equal kept length run as one batch.
+    """Logits of one continuation after each of ``caches``, caches of equal kept lengths (every layer) run as
+    one batch.
 
     Args:
         caches: single-example caches (batch 1); they are not modified.
@@ -87,9 +94,9 @@ def batched_continuation_logits(model: PreTrainedModel, caches: list[DynamicCach
         per cache, (1, M, vocab) float32 logits, in the order of ``caches``.
     """
     logits: list[torch.Tensor | None] = [None] * len(caches)
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}
     for index, cache in enumerate(caches):
-        groups.setdefault(cache.get_seq_length(), []).append(index)
+        groups.setdefault(tuple(layer.keys.shape[2] for layer in cache.layers), []).append(index)
     for members in groups.values():
         for start in range(0, len(members), max_batch):
             chunk = members[start : start + max_batch]

@@ -34,7 +34,8 @@ from curkv_train.eval.compressed import (
 )
 from curkv_train.eval.aggregate import result_rows
 from curkv_train.eval.cached import feed_chunks, held_bytes, held_tokens, prefill_cache
-from curkv_train.eval.methods import CURKV, FULL, ScoreFunction
+from curkv_train.eval.methods import CURKV, FULL, CurKVScore, ScoreFunction
+from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.eval.metrics import ExampleSums, continuation_sums
@@ -140,6 +141,11 @@ def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: to
 
 
 @torch.no_grad()
+def keep_ratios(method: ScoreFunction | None, keep_ratio: float) -> float | list[float]:
+    """ρ per layer for a trained scorer with a layer budget (:meth:`CurKVScore.keep_ratios`), else ρ."""
+    return method.keep_ratios(keep_ratio) if isinstance(method, CurKVScore) else keep_ratio
+
+
 def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, ScoreFunction | None],
                      settings: EvalSettings, seed: int, tokenizer=None,
                      cache_methods: dict[str, Scorer] | None = None) -> list[tuple[str, float, dict[str, float]]]:
@@ -173,7 +179,7 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
         entries = []
         for name, per_layer in scores.items():
             cache = compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
-                                     keep_ratio=1.0 - ratio, backend=settings.backend)
+                                     keep_ratio=keep_ratios(methods[name], 1.0 - ratio), backend=settings.backend)
             entries.append(_Entry(name, cache, _budget(cache, length)))
         for name, scorer in (cache_methods or {}).items():
             logits, budget = runtime_cache_logits(model, scorer, context_ids, continuation_ids, 1.0 - ratio,
@@ -248,6 +254,8 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     for task, task_examples in examples.items():
         for example in task_examples:
             settings.check_context(example.context_length, f"{task} context")
+    if any(not isinstance(keep_ratios(fn, 0.5), float) for fn in methods.values()):
+        install_runtime_attention(model, factored=False, per_layer=True)
     log = ExampleSums()
     seconds: dict[str, float] = {}
     number = 0

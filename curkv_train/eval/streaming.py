@@ -65,6 +65,7 @@ from curkv_train.eval.heldout import (
     HeldOutDocument,
     held_out_documents,
 )
+from curkv_train.eval.methods import CURKV_UNIFORM
 from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.statistics import Bootstrap, paired_difference, verdict
 from curkv_train.runtime.cache import CurKVCache, TierSettings
@@ -72,9 +73,8 @@ from curkv_train.runtime.scorer import Scorer
 
 # task -> the document source kind it reads
 STREAM_TASKS = {"stream_text": PYTHON_TEXT, "stream_code": "stdlib"}
-FULL, STREAMING_LLM, CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY = (
-    "full", "streaming_llm", "curkv", "curkv_uniform", "curkv_score_only", "curkv_cold", "curkv_compensated",
-    "recency")
+FULL, STREAMING_LLM, CURKV, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY = (
+    "full", "streaming_llm", "curkv", "curkv_score_only", "curkv_cold", "curkv_compensated", "recency")
 METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY, CURKV_COLD, CURKV_COMPENSATED, RECENCY)
 PRESS_PREFIX = "kvpress:decoding/"
 # ScorerPresses DecodingPress runs over (names of kvpress_bridge.PRESSES), and those it cannot, with why

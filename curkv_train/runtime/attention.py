@@ -180,8 +180,8 @@ def make_factored_attention(implementation: str) -> AttentionFn:
                   attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         layer = cache_layer_of(module)
         if layer is None or not layer.factored_cold:
-            if layer is not None and layer.settings.layer_budget is not None:
-                attention_mask = fit_mask(attention_mask, key.shape[-2])
+            # Layers of a budgeted cache (a CurKVCache or a plain cache compressed per layer) differ in length.
+            attention_mask = fit_mask(attention_mask, key.shape[-2])
             return wrapped_function(module, implementation)(module, query, key, value, attention_mask,
                                                             *args, **kwargs)
         return factored_attention_forward(module, query, key, value, attention_mask, layer, *args, **kwargs)

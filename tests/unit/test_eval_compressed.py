@@ -100,3 +100,30 @@ def test_batched_continuations_equal_one_by_one(model, ids):
     for cache, logits in zip(caches, batched):
         assert torch.allclose(logits, continuation_logits(model, cache, ids[:, CONTEXT:], CONTEXT), atol=1e-5)
     assert not torch.allclose(batched[0], batched[1], atol=1e-4)
+
+
+@torch.no_grad()
+def test_per_layer_ratios_hold_their_shares_and_continue_as_single_tokens(ids):
+    """A layer budget's cache: layers hold their own counts, a continuation chunk (the model's mask built
+    for layer 0, fitted per layer by the runtime's attention wrapper) gives the logits of feeding the same
+    tokens one at a time, and caches that differ only past layer 0 are not batched together."""
+    from curkv_train.runtime.attention import install_runtime_attention
+
+    model = load_base_model(TINY_RANDOM)
+    install_runtime_attention(model, factored=False, per_layer=True)
+    context = prefill(model, ids[:, :CONTEXT], capture_queries=False)
+    generator = torch.Generator().manual_seed(2)
+    scores = [torch.rand(keys.shape[:3], generator=generator) for keys in context.keys]
+    caches = [compress_prefill(model, context, scores, n_sink=N_SINK, window=WINDOW, keep_ratio=ratios,
+                               backend="torch") for ratios in ([0.25, 0.75], [0.25, 0.5])]
+    lengths = [[layer.keys.shape[2] for layer in cache.layers] for cache in caches]
+    compressible = CONTEXT - N_SINK - WINDOW
+    assert lengths[0] == [expected_kept(CONTEXT, N_SINK, WINDOW, 0.25), expected_kept(CONTEXT, N_SINK, WINDOW, 0.75)]
+    assert lengths[0][0] == lengths[1][0] < lengths[1][1] < lengths[0][1] < N_SINK + WINDOW + compressible
+    batched = batched_continuation_logits(model, caches, ids[:, CONTEXT:], CONTEXT, max_batch=8)
+    for cache, logits in zip(caches, batched):
+        stepped = cache_from_layers(model, [layer.keys for layer in cache.layers],
+                                    [layer.values for layer in cache.layers])
+        single = torch.cat([continuation_logits(model, stepped, ids[:, CONTEXT + index : CONTEXT + index + 1],
+                                                CONTEXT + index) for index in range(CONTINUATION)], dim=1)
+        torch.testing.assert_close(logits, single, atol=1e-4, rtol=1e-4)

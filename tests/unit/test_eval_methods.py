@@ -144,3 +144,19 @@ def test_unknown_method_lists_the_valid_ones():
         build_methods(["h2o", "magic"], None)
     with pytest.raises(CurKVError, match="--scorer"):
         build_methods(["curkv"], None)
+
+
+def test_a_budgeted_scorer_gets_per_layer_ratios_and_a_uniform_row():
+    from curkv_train.eval.harness import keep_ratios
+    from curkv_train.runtime.allocation import LayerBudget
+    from runtime_helpers import random_scorer
+
+    budgeted, plain = random_scorer(), random_scorer()
+    budgeted.layer_budget = LayerBudget((0.1, 3.0), 1.0)
+    methods = build_methods(["full", "curkv", "h2o"], {"curkv": budgeted, "curkv:plain": plain})
+    assert set(methods) == {"full", "curkv", "curkv_uniform", "curkv:plain", "h2o"}
+    ratios = keep_ratios(methods["curkv"], 0.5)
+    assert list(ratios) == list(budgeted.layer_budget.ratios(0.5)) and ratios[0] < 0.5 < ratios[1]
+    assert keep_ratios(methods["curkv_uniform"], 0.5) == 0.5
+    assert keep_ratios(methods["curkv:plain"], 0.5) == 0.5 and keep_ratios(methods["h2o"], 0.5) == 0.5
+    assert keep_ratios(methods["curkv"], 1.0) == 1.0

@@ -42,6 +42,8 @@ _FACTORIES: dict[str, Callable[[int, int], ScoreFunction]] = {
 FULL = "full"
 CURKV = "curkv"
 CURKV_CACHE = "curkv_cache"
+# a budgeted scorer's bare selection again with one keep ratio for every layer (added beside ``curkv``)
+CURKV_UNIFORM = "curkv_uniform"
 BASELINES = tuple(_FACTORIES)
 METHODS = (FULL, *BASELINES, CURKV, CURKV_CACHE)
 # methods that need a trained scorer; with several scorers each gets its rows (``curkv:LABEL``, ...)
@@ -74,8 +76,9 @@ def build_methods(names: list[str], scorer: Scorer | dict[str, Scorer] | None, *
 
     Args:
         scorer: the trained scorer, or several by method name (``curkv``, ``curkv:LABEL``): ``curkv``
-            in ``names`` then gives each of them a row. ``curkv_cache`` has no score function and is
-            left to the harness.
+            in ``names`` then gives each of them a row, and each with a calibrated layer budget a
+            second row at one ratio for every layer (``curkv_uniform``, ``curkv_uniform:LABEL``).
+            ``curkv_cache`` has no score function and is left to the harness.
 
     Raises:
         CurKVError: an unknown name, or ``curkv`` without a scorer.
@@ -86,13 +89,16 @@ def build_methods(names: list[str], scorer: Scorer | dict[str, Scorer] | None, *
         if name == FULL:
             methods[name] = None
         elif name == CURKV:
-            methods.update({method: CurKVScore(trained) for method, trained in scorers.items()})
+            for method, trained in scorers.items():
+                methods[method] = CurKVScore(trained)
+                if trained.layer_budget is not None:
+                    methods[CURKV_UNIFORM + method[len(CURKV):]] = CurKVScore(trained, budgeted=False)
         elif name != CURKV_CACHE:
             methods[name] = baseline(name, n_sink=n_sink, window=window)
     return methods
 
 
-__all__ = ["BASELINES", "CURKV", "CURKV_CACHE", "FULL", "METHODS", "SCORER_METHODS", "ScoreFunction", "baseline",
+__all__ = ["BASELINES", "CURKV", "CURKV_CACHE", "CURKV_UNIFORM", "FULL", "METHODS", "SCORER_METHODS", "ScoreFunction", "baseline",
            "build_methods", "check_methods",
            "CurDKVScore", "CurKVScore", "ExpectedAttentionScore", "H2OScore", "KNormScore", "RandomScore",
            "SnapKVScore", "StreamingLLMScore", "TOVAScore"]

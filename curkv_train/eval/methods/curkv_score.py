@@ -18,14 +18,23 @@ class CurKVScore:
     ----------
     scorer : Scorer
         The exported estimator with the settings it was trained under.
+    budgeted : bool, default=True
+        Split the keep ratio across layers by the scorer's calibrated ``layer_budget`` (if it has
+        one), as :class:`~curkv_train.runtime.CurKVCache` does; False keeps one ratio everywhere.
     """
 
     scorer: Scorer
+    budgeted: bool = True
 
     @property
     def needs_queries(self) -> bool:
         """Whether the prefill must record attention inputs (query-aware and hidden-state families)."""
         return bool(self.scorer.estimator.needs)
+
+    def keep_ratios(self, keep_ratio: float) -> float | list[float]:
+        """The keep ratio of every layer (their mean is ``keep_ratio``), or ``keep_ratio`` itself for all."""
+        budget = self.scorer.layer_budget if self.budgeted else None
+        return keep_ratio if budget is None or keep_ratio >= 1.0 else budget.ratios(keep_ratio)
 
     def __call__(self, ctx: LayerContext) -> torch.Tensor:
         """(batch, kv_heads, tokens) float32 keep logits."""
