@@ -14,6 +14,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from curkv_train.errors import CurKVError
+from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.scorer import Scorer
 
 # Added to the scores of sinks and the recent window: far above any estimator logit,
@@ -46,17 +48,25 @@ class CurKVPress(ScorerPress):
         Fraction of key-value pairs to remove (kvpress's convention; keep ratio = 1 − it).
     n_sink, window : int, optional
         Protected leading / trailing tokens; default the scorer's own.
+    layer_budget : str, default="scorer"
+        ``"scorer"``: a scorer with a calibrated ``layer_budget`` (``curkv-train calibrate``) keeps
+        ``int(n·ρ_l)`` in layer l, the ρ_l averaging to 1 − ``compression_ratio`` as in
+        :class:`~curkv_train.runtime.CurKVCache`; the model's attention is then switched to the
+        runtime's wrapper, which fits the mask to each layer's length. ``"uniform"``: one ratio.
     """
 
     scorer: Scorer | str | os.PathLike | None = None
     n_sink: int | None = None
     window: int | None = None
+    layer_budget: str = "scorer"
     model: PreTrainedModel | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         super().__post_init__()
         if self.scorer is None:
             raise CurKVError("CurKVPress needs a scorer: a Scorer or the folder of an exported one")
+        if self.layer_budget not in ("scorer", "uniform"):
+            raise CurKVError(f"CurKVPress layer_budget must be 'scorer' or 'uniform', got {self.layer_budget!r}")
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         """Load the scorer (checked against ``model``) and keep the model for its rotary tables."""
@@ -65,6 +75,14 @@ class CurKVPress(ScorerPress):
 
             self.scorer = load_scorer(self.scorer, model=model)
         self.model = model
+        if self.budget is not None:
+            install_runtime_attention(model, factored=False, per_layer=True)
+
+    @property
+    def budget(self) -> LayerBudget | None:
+        """The loaded scorer's layer budget when the press follows it, else None."""
+        follows = self.layer_budget == "scorer" and isinstance(self.scorer, Scorer)
+        return self.scorer.layer_budget if follows else None
 
     def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -85,3 +103,19 @@ class CurKVPress(ScorerPress):
         protected = (positions < n_sink) | (positions >= tokens - window)
         return scores + PROTECTED_SCORE * protected.to(scores.dtype)
 
+    def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """kvpress's top-k compaction, at layer ``module.layer_idx``'s own ratio under a layer budget.
+
+        Args:
+            keys, values: (batch, kv_heads, tokens, head_dim); returned with ``int(tokens·ρ_l)`` tokens
+            (at least 1).
+        """
+        budget = self.budget
+        if budget is None or self.compression_ratio == 0:
+            return super().compress(module, hidden_states, keys, values, attentions, kwargs)
+        keep = budget.ratios(1.0 - self.compression_ratio)[module.layer_idx]
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        kept = scores.topk(max(1, int(keys.shape[2] * keep)), dim=-1).indices
+        kept = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        return keys.gather(2, kept).contiguous(), values.gather(2, kept).contiguous()

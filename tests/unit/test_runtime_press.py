@@ -83,3 +83,32 @@ def test_press_without_scorer_is_a_user_error():
 
     with pytest.raises(CurKVError, match="needs a scorer"):
         CurKVPress(compression_ratio=0.5)
+
+
+def test_a_layer_budget_gives_each_layer_its_ratio_and_generation_runs(scorer):
+    """Layers keep int(n·ρ_l), the ρ_l averaging to the press's keep ratio, and greedy generation after the
+    press runs (the mask, built for layer 0, fitted to the others); ``layer_budget="uniform"`` ignores it."""
+    import copy
+
+    from curkv_train.errors import CurKVError
+    from curkv_train.models.base import load_base_model
+    from curkv_train.runtime.allocation import LayerBudget
+
+    model = load_base_model(TINY_RANDOM)
+    budgeted = copy.deepcopy(scorer)
+    budgeted.layer_budget = LayerBudget((0.1, 4.0), 1.0)
+    ids = torch.randint(3, 512, (1, 120), generator=torch.Generator().manual_seed(0))
+    ratios = budgeted.layer_budget.ratios(0.5)
+    lengths = {}
+    for mode in ("scorer", "uniform"):
+        press, cache = CurKVPress(scorer=budgeted, compression_ratio=0.5, layer_budget=mode), DynamicCache()
+        with torch.no_grad(), press(model):
+            model(ids, past_key_values=cache)
+        lengths[mode] = [layer.keys.shape[2] for layer in cache.layers]
+        step = model(torch.tensor([[7, 8, 9]]), past_key_values=cache,
+                     position_ids=torch.arange(120, 123)[None]).logits
+        assert torch.isfinite(step).all()
+    assert lengths["scorer"] == [int(120 * ratio) for ratio in ratios] and lengths["scorer"][0] < 60 < lengths["scorer"][1]
+    assert lengths["uniform"] == [compute_n_kept(120, 0.5)] * 2
+    with pytest.raises(CurKVError, match="layer_budget must be"):
+        CurKVPress(scorer=budgeted, compression_ratio=0.5, layer_budget="pyramid")
