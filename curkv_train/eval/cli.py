@@ -58,6 +58,7 @@ from curkv_train.eval.tasks import (
     load_streams,
 )
 from curkv_train.models.base import load_base_model, load_tokenizer
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import check_scorer_fits
 
@@ -118,6 +119,7 @@ def run_eval(
     stream_rows: NameList | None = None,
     budget_tokens: IntList | None = None,
     budget_bytes: IntList | None = None,
+    budget_baselines: bool = False,
 ) -> Path:
     """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
 
@@ -167,6 +169,8 @@ def run_eval(
         budget_tokens: streaming task: also run every compressing method under a fixed budget of this
             many tokens per (layer, KV head), comma-separated budgets (the runtime cache's max_tokens).
         budget_bytes: streaming task: fixed budgets in bytes for the whole cache (max_bytes).
+        budget_baselines: prefill tasks: our baselines' selections follow the main scorer's calibrated
+            layer budget too (the allocation without the learned scores; kvpress rows keep one ratio).
     """
     if dtype not in DTYPES:
         raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
@@ -208,6 +212,8 @@ def run_eval(
     scorers = build_scorers(entries, trained, model, base)
     for loaded in scorers.values():
         check_scorer_fits(loaded, model)
+    if budget_baselines:
+        settings.baseline_budget = main_budget(scorers[main.method] if main else None)
     carrier = (scorers[main.method] if main else fresh_scorer("seed", model, base)) if stream is not None else None
     if stream is not None:
         stream.check_length(stream_length, getattr(text_config(model.config), "max_position_embeddings", None))
@@ -244,7 +250,7 @@ def run_eval(
               "methods": [*score_functions, *cache_methods], "context_length": context_length,
               "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,
               "window": window, "passkey_depths": list(passkey_depths), "passkey_lengths": lengths,
-              "kvpress": kvpress, "kvpress_budget": kvpress_budget,
+              "kvpress": kvpress, "kvpress_budget": kvpress_budget, "budget_baselines": budget_baselines,
               "kvpress_presses": settings.kvpress_presses, "dtype": dtype, "backend": backend, "batch": batch,
               "stream": {"length": stream_length, "prefix": stream_prefix, "chunk": stream_chunk,
                          "documents": stream_documents, "segment": stream_segment,
@@ -255,6 +261,14 @@ def run_eval(
               "data": {"recipe": recipe.origin, "sources": recipe.record(),
                        "streams": {name: held.record() for name, held in streams.items()}}}
     return write_run(out, results, config)
+
+
+def main_budget(scorer: Scorer | None) -> LayerBudget:
+    """The main scorer's layer budget, for ``--budget_baselines``; CurKVError without one."""
+    if scorer is None or scorer.layer_budget is None:
+        raise CurKVError("--budget_baselines needs a main scorer with a calibrated layer budget "
+                         "(curkv-train calibrate --scorer DIR)")
+    return scorer.layer_budget
 
 
 def _describe(entry: ScorerEntry, scorer: Scorer) -> dict:

@@ -35,6 +35,7 @@ from curkv_train.eval.compressed import (
 from curkv_train.eval.aggregate import result_rows
 from curkv_train.eval.cached import feed_chunks, held_bytes, held_tokens, prefill_cache
 from curkv_train.eval.methods import CURKV, FULL, CurKVScore, ScoreFunction
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.scorer import Scorer
@@ -57,6 +58,8 @@ class EvalSettings:
         kvpress_presses: which presses (names of :data:`kvpress_bridge.PRESSES`); None: every installed one.
         kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
         max_batch: continuations of equal kept length run together, at most this many per forward.
+        baseline_budget: a layer budget our baselines' selections follow too (``--budget_baselines``);
+            None: one ratio for every layer.
         resamples: bootstrap resamples of the examples behind every interval (seeded by ``seed``).
         bootstrap: the resulting :class:`Bootstrap` (derived, not an argument).
     """
@@ -70,6 +73,7 @@ class EvalSettings:
     kvpress_budget: str = "matched"
     kvpress_presses: list[str] | None = None
     max_batch: int = 8
+    baseline_budget: LayerBudget | None = None
     resamples: int = 2000
     bootstrap: Bootstrap = field(init=False, repr=False)
 
@@ -141,9 +145,13 @@ def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: to
 
 
 @torch.no_grad()
-def keep_ratios(method: ScoreFunction | None, keep_ratio: float) -> float | list[float]:
-    """ρ per layer for a trained scorer with a layer budget (:meth:`CurKVScore.keep_ratios`), else ρ."""
-    return method.keep_ratios(keep_ratio) if isinstance(method, CurKVScore) else keep_ratio
+def keep_ratios(method: ScoreFunction | None, keep_ratio: float,
+                shared: LayerBudget | None = None) -> float | tuple[float, ...]:
+    """ρ per layer for a trained scorer with a layer budget (:meth:`CurKVScore.keep_ratios`) or, for any
+    other method, ``shared``'s split of ρ; else ρ."""
+    if isinstance(method, CurKVScore):
+        return method.keep_ratios(keep_ratio)
+    return keep_ratio if shared is None or keep_ratio >= 1.0 else shared.ratios(keep_ratio)
 
 
 def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, ScoreFunction | None],
@@ -179,7 +187,8 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
         entries = []
         for name, per_layer in scores.items():
             cache = compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
-                                     keep_ratio=keep_ratios(methods[name], 1.0 - ratio), backend=settings.backend)
+                                     keep_ratio=keep_ratios(methods[name], 1.0 - ratio, settings.baseline_budget),
+                                     backend=settings.backend)
             entries.append(_Entry(name, cache, _budget(cache, length)))
         for name, scorer in (cache_methods or {}).items():
             logits, budget = runtime_cache_logits(model, scorer, context_ids, continuation_ids, 1.0 - ratio,
@@ -254,7 +263,7 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     for task, task_examples in examples.items():
         for example in task_examples:
             settings.check_context(example.context_length, f"{task} context")
-    if any(not isinstance(keep_ratios(fn, 0.5), float) for fn in methods.values()):
+    if any(not isinstance(keep_ratios(fn, 0.5, settings.baseline_budget), float) for fn in methods.values()):
         install_runtime_attention(model, factored=False, per_layer=True)
     log = ExampleSums()
     seconds: dict[str, float] = {}

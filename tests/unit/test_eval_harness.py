@@ -191,3 +191,29 @@ def test_scorers_of_different_bases_are_refused(tmp_path, capsys):
     code, err = run_cli(["--scorer", f"{good},b={tmp_path / 'missing'}", "--out", str(tmp_path / "run"), *SMALL],
                         capsys)
     assert code == 2 and err.count("\n") == 1 and "missing" in err
+
+
+def test_a_budgeted_scorer_and_budget_baselines(tmp_path, capsys):
+    """A scorer with a layer budget gets a curkv_uniform row; --budget_baselines gives a baseline the same
+    per-layer counts as curkv; without a budget the option is a one-line error."""
+    from curkv_train import runtime
+    from curkv_train.models.base import load_base_model
+    from curkv_train.runtime.allocation import LayerBudget
+
+    plain = export_scorer(tmp_path / "plain")
+    scorer = runtime.load_scorer(plain)
+    scorer.layer_budget = LayerBudget((0.1, 4.0), 1.0)
+    budgeted = runtime.save_scorer(scorer, tmp_path / "budgeted", base_model=TINY_RANDOM,
+                                   fingerprint=runtime.model_fingerprint(load_base_model(TINY_RANDOM).config))
+    args = ["--tasks", "ppl_text", "--methods", "full,h2o,curkv", "--ratios", "0.5", *SMALL]
+    code, err = run_cli(["--scorer", str(budgeted), "--budget_baselines", "true", "--out", str(tmp_path / "run"),
+                         *args], capsys)
+    assert code == 0, err
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    bytes_held = {row["method"]: row["metrics"]["kv_bytes"] for row in results["rows"]}
+    assert set(bytes_held) == {"full", "h2o", "curkv", "curkv_uniform"}
+    assert bytes_held["h2o"] == bytes_held["curkv"] != bytes_held["curkv_uniform"]
+    assert results["summary"][0]["baseline"] == "h2o"  # curkv_uniform is not a baseline
+    code, err = run_cli(["--scorer", str(plain), "--budget_baselines", "true", "--out", str(tmp_path / "run2"),
+                         *args], capsys)
+    assert code == 2 and "--budget_baselines needs a main scorer" in err and err.count("\n") == 1

@@ -160,3 +160,6 @@ def test_a_budgeted_scorer_gets_per_layer_ratios_and_a_uniform_row():
     assert keep_ratios(methods["curkv_uniform"], 0.5) == 0.5
     assert keep_ratios(methods["curkv:plain"], 0.5) == 0.5 and keep_ratios(methods["h2o"], 0.5) == 0.5
     assert keep_ratios(methods["curkv"], 1.0) == 1.0
+    shared = LayerBudget((2.0, 0.5), 1.0)  # --budget_baselines: every other method follows the shared budget
+    assert keep_ratios(methods["h2o"], 0.5, shared) == shared.ratios(0.5)
+    assert keep_ratios(methods["curkv"], 0.5, shared) == ratios and keep_ratios(methods["h2o"], 1.0, shared) == 1.0

@@ -31,7 +31,7 @@ class CurKVScore:
         """Whether the prefill must record attention inputs (query-aware and hidden-state families)."""
         return bool(self.scorer.estimator.needs)
 
-    def keep_ratios(self, keep_ratio: float) -> float | list[float]:
+    def keep_ratios(self, keep_ratio: float) -> float | tuple[float, ...]:
         """The keep ratio of every layer (their mean is ``keep_ratio``), or ``keep_ratio`` itself for all."""
         budget = self.scorer.layer_budget if self.budgeted else None
         return keep_ratio if budget is None or keep_ratio >= 1.0 else budget.ratios(keep_ratio)
