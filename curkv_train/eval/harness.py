@@ -144,7 +144,6 @@ def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: to
     return torch.cat(parts, dim=1), budget
 
 
-@torch.no_grad()
 def keep_ratios(method: ScoreFunction | None, keep_ratio: float,
                 shared: LayerBudget | None = None) -> float | tuple[float, ...]:
     """ρ per layer for a trained scorer with a layer budget (:meth:`CurKVScore.keep_ratios`) or, for any
@@ -154,6 +153,7 @@ def keep_ratios(method: ScoreFunction | None, keep_ratio: float,
     return keep_ratio if shared is None or keep_ratio >= 1.0 else shared.ratios(keep_ratio)
 
 
+@torch.no_grad()
 def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, ScoreFunction | None],
                      settings: EvalSettings, seed: int, tokenizer=None,
                      cache_methods: dict[str, Scorer] | None = None) -> list[tuple[str, float, dict[str, float]]]:
