@@ -144,13 +144,17 @@ def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: to
     return torch.cat(parts, dim=1), budget
 
 
+def layer_budget_of(method: ScoreFunction | None, shared: LayerBudget | None = None) -> LayerBudget | None:
+    """The layer budget ``method``'s selection follows: a trained scorer's own (:attr:`CurKVScore.budget`),
+    any other method's ``shared`` (``--budget_baselines``); None: one ratio for every layer."""
+    return method.budget if isinstance(method, CurKVScore) else shared
+
+
 def keep_ratios(method: ScoreFunction | None, keep_ratio: float,
                 shared: LayerBudget | None = None) -> float | tuple[float, ...]:
-    """ρ per layer for a trained scorer with a layer budget (:meth:`CurKVScore.keep_ratios`) or, for any
-    other method, ``shared``'s split of ρ; else ρ."""
-    if isinstance(method, CurKVScore):
-        return method.keep_ratios(keep_ratio)
-    return keep_ratio if shared is None or keep_ratio >= 1.0 else shared.ratios(keep_ratio)
+    """ρ split per layer by :func:`layer_budget_of` ``method``, or ρ itself for every layer."""
+    budget = layer_budget_of(method, shared)
+    return keep_ratio if budget is None or keep_ratio >= 1.0 else budget.ratios(keep_ratio)
 
 
 @torch.no_grad()
@@ -263,7 +267,7 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     for task, task_examples in examples.items():
         for example in task_examples:
             settings.check_context(example.context_length, f"{task} context")
-    if any(not isinstance(keep_ratios(fn, 0.5, settings.baseline_budget), float) for fn in methods.values()):
+    if any(layer_budget_of(fn, settings.baseline_budget) is not None for fn in methods.values()):
         install_runtime_attention(model, factored=False, per_layer=True)
     log = ExampleSums()
     seconds: dict[str, float] = {}

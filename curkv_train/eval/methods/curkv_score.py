@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from curkv_train.eval.context import LayerContext
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 
 
@@ -31,10 +32,10 @@ class CurKVScore:
         """Whether the prefill must record attention inputs (query-aware and hidden-state families)."""
         return bool(self.scorer.estimator.needs)
 
-    def keep_ratios(self, keep_ratio: float) -> float | tuple[float, ...]:
-        """The keep ratio of every layer (their mean is ``keep_ratio``), or ``keep_ratio`` itself for all."""
-        budget = self.scorer.layer_budget if self.budgeted else None
-        return keep_ratio if budget is None or keep_ratio >= 1.0 else budget.ratios(keep_ratio)
+    @property
+    def budget(self) -> LayerBudget | None:
+        """The layer budget this scorer's selection follows (None: one ratio for every layer)."""
+        return self.scorer.layer_budget if self.budgeted else None
 
     def __call__(self, ctx: LayerContext) -> torch.Tensor:
         """(batch, kv_heads, tokens) float32 keep logits."""
