@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             free_memory(p)
         for method, r in summarize(results).items():
             rows.append({"N": num_keys, "method": method, **r})
+            print(json.dumps(rows[-1]), flush=True)  # a run cut off early keeps what it measured
         del p
         gc.collect()
         torch.cuda.empty_cache()
