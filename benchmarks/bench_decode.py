@@ -63,6 +63,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "cold-no-warm": {"cold": True, "warm": False},
     "no-hot": {"hot": False},
     "uniform": {"layer_budget": "uniform"},
+    "window128": {"window": 128, "hot_windows": 1},
 }
 BASELINE = "dynamic"
 DEFAULT = "default"

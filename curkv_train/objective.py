@@ -30,8 +30,9 @@ class TrainingSettings:
         budget_weight: λ of the budget penalty.
         warm_start: only the dense ranking term (no continuation, no backward through the LLM).
         streaming_rounds: compress the context the way CurKVCache compresses a growing one, in
-            this many rounds at ends ``window`` tokens apart (0: one selection after the prefill).
+            this many rounds at ends ``compress_every`` windows apart (0: one selection after the prefill).
         hot_windows: with streaming rounds, the recent windows each round protects (the cache's hot tier).
+        compress_every: with streaming rounds, windows between two rounds (the cache's ``compress_every``).
         recent_share: with streaming rounds, the share of each round's kept places given to the newest
             competing tokens (the cache's ``recent_share``; 0: every place by score).
     """
@@ -42,7 +43,8 @@ class TrainingSettings:
     budget_weight: float = 0.4
     warm_start: bool = False
     streaming_rounds: int = 0
-    hot_windows: int = 3
+    hot_windows: int = 2
+    compress_every: int = 2
     recent_share: float = 0.0
 
 

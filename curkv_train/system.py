@@ -196,10 +196,10 @@ class CurKVModule(L.LightningModule):
 
     def streaming_bias(self, capture: ContextCapture, logits: torch.Tensor,
                        settings: TrainingSettings) -> tuple[torch.Tensor, torch.Tensor]:
-        """Biases of the context compressed in ``settings.streaming_rounds`` rounds ``window`` tokens apart,
+        """Biases of the context compressed in ``settings.streaming_rounds`` rounds ``compress_every`` windows apart,
         each scored at its own end (:func:`~curkv_train.objective.streaming_keep_bias`); ``logits`` are the last's."""
         hp = self.hparams
-        ends = streaming_ends(capture.context_length, settings.streaming_rounds, hp.window)
+        ends = streaming_ends(capture.context_length, settings.streaming_rounds, settings.compress_every * hp.window)
         round_logits = [self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view, end=end))
                         for end in ends[:-1]] + [logits]
         return streaming_keep_bias(round_logits, ends, n_sink=hp.n_sink, hot=settings.hot_windows * hp.window,

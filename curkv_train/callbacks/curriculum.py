@@ -32,9 +32,10 @@ class Stage:
         hard_topk: exact top-⌈ρ·n⌉ forward with straight-through gradients.
         warm_start: the dense ranking term alone against the reconstruction target (no
             continuation, no backward through the LLM) instead of distillation.
-        streaming_rounds: compress the context in this many rounds ``window`` tokens apart, the
+        streaming_rounds: compress the context in this many rounds ``compress_every`` windows apart, the
             way CurKVCache compresses a growing context (0: one selection).
         hot_windows: recent windows each streaming round protects (the cache's hot tier).
+        compress_every: windows between two streaming rounds (the cache's compression interval).
         recent_share: share of each streaming round's kept places given to the newest tokens (the
             cache's ``recent_share``).
     """
@@ -50,6 +51,7 @@ class Stage:
     warm_start: bool = False
     streaming_rounds: int | None = None
     hot_windows: int | None = None
+    compress_every: int | None = None
     recent_share: float | None = None
 
 
@@ -76,6 +78,8 @@ class Curriculum(Callback):
                 _check_range(index, stage.compression_range)
             if stage.recent_share is not None:
                 check_recent_share(stage.recent_share)
+            if stage.compress_every is not None and stage.compress_every < 1:
+                raise CurKVError(f"curriculum stage {index}: compress_every must be >= 1, got {stage.compress_every}")
         self.stages = stages
         self.stage_index = -1
 

@@ -339,7 +339,7 @@ def check_memory(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: Sc
 def _press_builder(model: PreTrainedModel, carrier: Scorer, name: str,
                    settings: StreamSettings) -> Callable[[MemorySetting], StreamRun]:
     """kvpress's PrefillDecodingPress: the prefill compressed by ScorerPress ``name``, then DecodingPress over
-    it every ``window`` tokens, each time to the tokens ``streaming_llm`` holds after the same step."""
+    it every compression interval, each time to the tokens ``streaming_llm`` holds after the same step."""
     from kvpress import DecodingPress, PrefillDecodingPress
 
     class FollowingDecodingPress(DecodingPress):
@@ -351,8 +351,11 @@ def _press_builder(model: PreTrainedModel, carrier: Scorer, name: str,
             return max(1, self.target())
 
         def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-            # a short last chunk gives SnapKV fewer queries than its window: keep everything until the next one
-            if hidden_states.shape[1] <= getattr(self.base_press, "window_size", 0):
+            # a short last chunk gives SnapKV fewer queries (or, with an interval of several chunks, fewer
+            # rotary positions: kvpress passes only the last step's) than its window: keep everything
+            window = getattr(self.base_press, "window_size", 0)
+            step_positions = kwargs["position_embeddings"][0].shape[-2] if "position_embeddings" in kwargs else window
+            if hidden_states.shape[1] <= window or step_positions < window:
                 return keys, values
             return super().compress(module, hidden_states, keys, values, attentions, kwargs)
 
@@ -362,7 +365,7 @@ def _press_builder(model: PreTrainedModel, carrier: Scorer, name: str,
         prefix = settings.prefix
         prefill_ratio = max(0.0, 1.0 - (held_after(reference, prefix) + 0.5) / prefix)  # int(n·(1 − r)) kept
         seen = {"after": prefix}
-        interval = max(1, reference.window // settings.chunk)
+        interval = max(1, reference.interval // settings.chunk)
         # at a compression the press sees the hidden states of the steps since the last one (SnapKV's window
         # must be shorter than them)
         observed = min(reference.window, max(1, interval * settings.chunk - 1))

@@ -3,7 +3,8 @@
 A transformers DynamicCache concatenates every step, copying all it holds; at long contexts
 that copy is a large share of a CPU decode step. :class:`AppendBuffer` keeps a tensor with spare
 room along its token dimension: an append writes into the room, and only when it runs out is
-the tensor copied once into a larger one (the needed size plus ``headroom`` tokens). A tensor
+the tensor copied once into a larger one, with room for ``headroom`` tokens counted from the
+append that needed it (or for that append alone, if it is longer). A tensor
 assigned whole (a prefill, a compression) is held at its exact size; the room is only added by
 the first append that needs it. The headroom is allocated memory, so it is counted as held
 (:meth:`AppendBuffer.nbytes`).
@@ -20,7 +21,8 @@ class AppendBuffer:
     Args:
         tensor: the initial content; its size along ``dim`` is the token count.
         dim: the token dimension (negative, counted from the end).
-        headroom: tokens of spare room added whenever an append has to reallocate.
+        headroom: tokens an append that has to reallocate makes room for, itself included (the cache's
+            compression interval: the tokens that arrive before a compression replaces the tensor).
     """
 
     def __init__(self, tensor: torch.Tensor, dim: int, headroom: int) -> None:
@@ -43,7 +45,7 @@ class AppendBuffer:
         """Add ``new`` (same shape but along ``dim``) after the content; copies it all only when full."""
         count = new.shape[self.dim]
         if self.length + count > self.data.shape[self.dim]:
-            self.data = self._allocate(self.view, self.length + count + self.headroom)
+            self.data = self._allocate(self.view, self.length + max(count, self.headroom))
         self.data.narrow(self.dim, self.length, count).copy_(new)
         self.length += count
 

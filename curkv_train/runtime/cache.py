@@ -4,7 +4,7 @@ Per layer the cache holds, per (batch, KV head):
 
 - **sinks**: the first ``n_sink`` tokens, never evicted;
 - **hot**: the last ``hot_windows`` windows of ``window`` tokens (only the last window
-  with ``hot=False``), never evicted;
+  with ``hot=False``), never evicted, plus the tokens that arrived since the last compression;
 - **warm**: older tokens kept, dense: at each compression the newest ⌊recent_share·k⌋ of
   the k places, the rest by estimator score (top-k), at most
   ⌈ρ·warm_windows·window⌉ of them when the cold tier is on;
@@ -14,8 +14,8 @@ Per layer the cache holds, per (batch, KV head):
   on SmolLM2-135M it costs quality and decode speed (docs/runtime.md has the figures);
   without it every kept token stays dense.
 
-Compression runs after prefill and again each time ``window`` new tokens have
-arrived: the tokens that left the hot tier join the warm ones, are re-scored at the
+Compression runs each time ``compress_every`` windows of tokens have piled up past the hot
+tier (a prefill or chunk at least that long compresses right after it): the tokens that left the hot tier join the warm ones, are re-scored at the
 current length, and the top ones are kept so that the compressible tokens held
 (warm + cold) number ⌈ρ·n⌉ for the n compressible tokens seen so far (capped by
 ``max_tokens`` / ``max_bytes``, a fixed-memory budget). Cold blocks are formed once and never re-selected. Different
@@ -103,13 +103,18 @@ class TierSettings:
     backend: str
     recent_share: float
     layer_budget: LayerBudget | None = None
+    interval: int = 0  # tokens of single-token steps between two compressions; 0: one window
 
     def __post_init__(self) -> None:
+        if self.interval == 0:
+            object.__setattr__(self, "interval", self.window)
         check_keep_ratio(self.keep_ratio, allow_adaptive=True)
         check_recent_share(self.recent_share)
-        if self.window < 1 or self.n_sink < 0 or self.hot_tokens < self.window or self.warm_tokens < 0:
-            raise CurKVError(f"need window >= 1, n_sink >= 0, hot_windows >= 1 and warm_windows >= 0; got window "
-                             f"{self.window}, n_sink {self.n_sink}, hot {self.hot_tokens}, warm {self.warm_tokens} tokens")
+        if (self.window < 1 or self.n_sink < 0 or self.hot_tokens < self.window or self.warm_tokens < 0
+                or self.interval < 1):
+            raise CurKVError(f"need window >= 1, n_sink >= 0, hot_windows >= 1, warm_windows >= 0 and compress_every "
+                             f">= 1; got window {self.window}, n_sink {self.n_sink}, hot {self.hot_tokens}, warm "
+                             f"{self.warm_tokens}, compression interval {self.interval} tokens")
         if min(self.cold_block, self.cold_rows, self.cold_channels) < 1:
             raise CurKVError(f"cold_block, cold_rows and cold_channels must be >= 1, got {self.cold_block}, "
                              f"{self.cold_rows}, {self.cold_channels}")
@@ -120,15 +125,15 @@ class TierSettings:
         if self.max_tokens is not None and self.kept_cap < 0:
             raise CurKVError(f"a budget of {self.max_tokens} tokens per (layer, KV head) is smaller than what every "
                              f"layer always holds: {self.fixed_tokens} (n_sink {self.n_sink} + hot tier "
-                             f"{self.hot_tokens} + {self.window - 1} tokens arriving before the next compression); "
-                             "raise the budget or lower n_sink / window / hot_windows")
+                             f"{self.hot_tokens} + {self.interval - 1} tokens arriving before the next compression); "
+                             "raise the budget or lower n_sink / window / hot_windows / compress_every")
         if self.backend not in BACKENDS:
             raise CurKVError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
 
     @property
     def fixed_tokens(self) -> int:
         """Tokens a layer may hold per (batch, KV head) besides the kept ones: sinks, hot tier, pending arrivals."""
-        return self.n_sink + self.hot_tokens + self.window - 1
+        return self.n_sink + self.hot_tokens + self.interval - 1
 
     @property
     def kept_cap(self) -> int | None:
@@ -202,8 +207,8 @@ class CurKVLayer(CacheLayerMixin):
     token_scores = buffered("token_scores", -1)
 
     def __init__(self, layer_idx: int, settings: TierSettings, score_fn: ScoreFn, observer: ObservationBuffer) -> None:
-        # Room for the tokens that arrive between two compressions (one window): decoding appends in place.
-        self.buffer_headroom = settings.window
+        # Room for the tokens that arrive between two compressions: decoding appends in place.
+        self.buffer_headroom = settings.interval
         super().__init__()
         self.layer_idx, self.settings, self.score_fn, self.observer = layer_idx, settings, score_fn, observer
         self.positions: torch.Tensor | None = None
@@ -266,7 +271,7 @@ class CurKVLayer(CacheLayerMixin):
         if self.cold and not factored:
             keys = torch.cat([cur.reconstruct(block.keys) for block in self.cold] + [keys], dim=-2)
             values = torch.cat([cur.reconstruct(block.values) for block in self.cold] + [values], dim=-2)
-        if self._compression_due(key_states.shape[-2]):
+        if self._compression_due():
             self.compress()
         return keys, values
 
@@ -288,10 +293,10 @@ class CurKVLayer(CacheLayerMixin):
         self.n_hot += new - (sinks - self.n_sink_held)
         self.n_sink_held = sinks
 
-    def _compression_due(self, new: int) -> bool:
-        """After a multi-token step (prefill) with tokens past the hot tier, or once a full window has piled up."""
-        excess = self.n_hot - self.settings.hot_tokens
-        return excess > 0 and (new > 1 or excess >= self.settings.window)
+    def _compression_due(self) -> bool:
+        """Once a compression interval of tokens has piled up past the hot tier, however they arrived
+        (one at a time or in chunks: a stream fed in chunks compresses when generation would)."""
+        return self.n_hot - self.settings.hot_tokens >= self.settings.interval
 
     @torch.no_grad()
     def compress(self) -> None:
@@ -448,6 +453,11 @@ class CurKVCache(Cache):
         n_sink, window: always-kept leading tokens and the window unit; default the scorer's.
         hot: protect the last ``hot_windows`` windows; off = only the last window.
         hot_windows: size of the hot tier in windows.
+        compress_every: compress once this many windows of tokens have piled up past the hot tier. Each
+            compression scores every held token, so
+            2 windows (the default) halves that work against 1; with the hot tier one window smaller than
+            the earlier default (3 windows, every window), the most tokens held and the bytes allocated
+            are the same (docs/runtime.md has the measurement).
         warm: hold up to ⌈ρ·warm_windows·window⌉ kept tokens densely before they go cold;
             off = kept tokens go straight to the cold tier. Matters only with ``cold`` on:
             without a cold tier every kept token stays dense.
@@ -478,7 +488,8 @@ class CurKVCache(Cache):
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
                  keep_ratio: float | str = ADAPTIVE, *, recent_share: float = 0.5, n_sink: int | None = None,
                  window: int | None = None,
-                 hot: bool = True, hot_windows: int = 3, warm: bool = True, warm_windows: int = 10,
+                 hot: bool = True, hot_windows: int = 2, compress_every: int = 2, warm: bool = True,
+                 warm_windows: int = 10,
                  cold: bool = False, cold_block: int | None = None, cold_rows: int | None = None,
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
                  compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
@@ -497,7 +508,7 @@ class CurKVCache(Cache):
         half = max(1, scorer.estimator.head_dim // 2)
         self.settings = TierSettings(
             keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True), n_sink=scorer.n_sink if n_sink is None else n_sink,
-            window=window, hot_tokens=window * (hot_windows if hot else 1),
+            window=window, hot_tokens=window * (hot_windows if hot else 1), interval=window * compress_every,
             warm_tokens=window * warm_windows if warm else 0, cold=cold, cold_block=cold_block or 4 * window,
             cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,
             compensation=compensation, compensation_ratio=compensation_ratio, max_tokens=max_tokens,
@@ -580,13 +591,13 @@ class CurKVCache(Cache):
         budget = (max_bytes - self.observation_bytes()) // self.bytes_per_token()
         if budget < self.settings.fixed_tokens:
             raise CurKVError(f"max_bytes {max_bytes} pays for {max(budget, 0)} tokens per (layer, KV head), fewer than "
-                             f"the {self.settings.fixed_tokens} every layer always holds (n_sink + hot tier + window - 1)"
+                             f"the {self.settings.fixed_tokens} every layer always holds (n_sink + hot tier + interval - 1)"
                              f"; give at least {self.settings.fixed_tokens * self.bytes_per_token() + self.observation_bytes()} "
-                             "bytes or lower n_sink / window / hot_windows")
+                             "bytes or lower n_sink / window / hot_windows / compress_every")
         return budget
 
     def token_bound(self, layer_idx: int = 0) -> int:
         """Most tokens layer ``layer_idx`` may hold per (batch, KV head) at its current length."""
         layer, settings = self.layers[layer_idx], self.settings
-        pending = settings.hot_tokens + settings.window - 1
+        pending = settings.hot_tokens + settings.interval - 1
         return settings.n_sink + pending + settings.target(layer.compressible_seen, layer.seen, layer_idx)

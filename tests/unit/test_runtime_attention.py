@@ -120,7 +120,7 @@ def test_a_decode_step_allocates_no_dense_copy_of_the_cold_blocks(model, scorer,
     with torch.no_grad():
         token = model(prompt(1000), past_key_values=cache).logits[:, -1:].argmax(-1)
     layer = cache.layers[0]
-    assert not layer._compression_due(1)  # the step measured below only attends
+    assert not layer._compression_due()  # the step measured below only attends
     cold_bytes = sum(cur.reconstruct(block.keys).nbytes for block in layer.cold)
     dense = layer.keys.shape[-2]
     assert cold_bytes > 2 * layer.keys.nbytes  # a cold K outweighs the dense K the step copies when appending

@@ -263,7 +263,7 @@ def test_a_chunk_longer_than_the_hot_tier_is_compressed_on_arrival(model, scorer
     cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
     with torch.no_grad():
         model(prompt(100), past_key_values=cache)
-        model(prompt(400)[:, 100:], past_key_values=cache)  # 300 new tokens, hot tier 3 windows = 48
+        model(prompt(400)[:, 100:], past_key_values=cache)  # 300 new tokens, hot tier 2 windows = 32
     sizes = cache.tier_sizes(0)
-    assert sizes["seen"] == 400 and sizes["hot"] == 3 * WINDOW
-    assert cache.held_tokens(0) == N_SINK + 3 * WINDOW + sizes["warm"] < 400
+    assert sizes["seen"] == 400 and sizes["hot"] == 2 * WINDOW
+    assert cache.held_tokens(0) == N_SINK + 2 * WINDOW + sizes["warm"] < 400

@@ -11,29 +11,31 @@ from curkv_train.runtime import CurKVCache
 from curkv_train.system import CurKVModule
 from runtime_helpers import family_scorer
 
-N_SINK, WINDOW, HOT_WINDOWS, ROUNDS, CONTEXT = 4, 16, 2, 4, 160
+N_SINK, WINDOW, HOT_WINDOWS, ROUNDS, CONTEXT = 4, 16, 2, 4, 192
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.mark.parametrize("family", ["seed", "query_aware"])
-@pytest.mark.parametrize("keep_ratio, recent_share", [(0.3, 0.0), (0.6, 0.0), (0.3, 0.5)])
-def test_rounds_keep_what_the_cache_keeps(family, keep_ratio, recent_share):
+@pytest.mark.parametrize("keep_ratio, recent_share, compress_every", [(0.3, 0.0, 2), (0.6, 0.0, 2), (0.3, 0.5, 2),
+                                                                      (0.3, 0.5, 1)])
+def test_rounds_keep_what_the_cache_keeps(family, keep_ratio, recent_share, compress_every):
     """Layer 0 keeps the same tokens per head. (Deeper layers' K/V of tokens that arrived after a
     compression were computed over a compressed past in the cache, over the full one in training: the
     rounds reproduce the cache's selection rule, not that drift.)"""
     scorer = family_scorer(family, n_sink=N_SINK, window=WINDOW)
     ids = torch.randint(0, 259, (1, CONTEXT), generator=torch.Generator().manual_seed(2))
-    ends = streaming_ends(CONTEXT, ROUNDS, WINDOW)
+    stride = compress_every * WINDOW
+    ends = streaming_ends(CONTEXT, ROUNDS, stride)  # the first end holds an interval past the hot tier
 
     model = load_base_model(TINY_RANDOM, attn_implementation="sdpa")
     cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, hot_windows=HOT_WINDOWS, cold=False,
-                       recent_share=recent_share, backend="torch")
+                       recent_share=recent_share, compress_every=compress_every, backend="torch")
     with torch.no_grad():
         model(ids[:, : ends[0]], past_key_values=cache)
         for start in ends[:-1]:
-            model(ids[:, start : start + WINDOW], past_key_values=cache)
+            model(ids[:, start : start + stride], past_key_values=cache)
     assert cache.layers[0].seen == CONTEXT
 
     base = patch_model(load_base_model(TINY_RANDOM))
