@@ -1,15 +1,17 @@
 """Greedy decoding speed and memory of CurKVCache's tier settings vs DynamicCache, in one process.
 
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
-       [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 128] [--threads 2]
-       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot,uniform] [--backend auto]
+       [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 256] [--threads 2]
+       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot,uniform,every-window]
+       [--backend auto]
        [--rounds 2]
 
 For every context length: a prompt of that many tokens (the Python standard library's own
 sources, repeated as needed: timing only, no quality claim), prefilled once per cache, then
-``--new-tokens`` greedy decode steps. Prints per cache: decode tokens/s; the ratio to
-DynamicCache and to the default CurKVCache (dense tiers) at the same keep ratio; bytes
-held after decoding (DynamicCache: its K/V; CurKVCache: ``nbytes()``, factors included);
+``--new-tokens`` timed greedy decode steps (after the prefill's token). Prints per cache: decode tokens/s; the ratio to
+DynamicCache and to the default CurKVCache (dense tiers) at the same keep ratio; the most
+bytes held after any decode step (DynamicCache: its K/V; CurKVCache: ``nbytes()``, factors
+and headroom included: what a server provisions);
 the share of decode time spent compressing (``CurKVLayer.compress``: scoring, compaction,
 spilling to cold) and, inside it, scoring (the estimator); and how many greedy tokens
 agree with DynamicCache's. tokens/s counts every decode step (compression steps
@@ -29,7 +31,11 @@ kept places to the newest tokens); ``score-only`` every kept place by score (``r
 ``cold-rebuild`` the same but rebuilding cold blocks densely each step
 (``factored_attention=False``); ``cold-no-compensation`` cold without the sparse residual;
 ``cold-no-warm`` cold with warm=False; ``no-hot`` hot=False; ``uniform`` one keep ratio for every
-layer (``layer_budget="uniform"``; the default follows the scorer's calibrated budget, if any).
+layer (``layer_budget="uniform"``; the default follows the scorer's calibrated budget, if any);
+``every-window`` the earlier defaults, a compression every window with a hot tier of 3 (the same
+most-held tokens as the default's 2 and 2). ``--new-tokens`` should be a multiple of every setting's
+compression interval (the default's is 128 tokens; 64 for ``every-window``): the prefill leaves no
+token pending, so each setting then compresses exactly once per interval timed.
 
 The timing hooks wrap ``CurKVLayer.compress`` and ``CurKVCache._score`` inside this
 script only; the library carries no instrumentation.
@@ -63,7 +69,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "cold-no-warm": {"cold": True, "warm": False},
     "no-hot": {"hot": False},
     "uniform": {"layer_budget": "uniform"},
-    "window128": {"window": 128, "hot_windows": 1},
+    "every-window": {"compress_every": 1, "hot_windows": 3},
 }
 BASELINE = "dynamic"
 DEFAULT = "default"
@@ -96,24 +102,25 @@ def held_bytes(cache) -> int:
 
 @torch.no_grad()
 def decode(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
-    """Prefill ``prompt`` then ``new_tokens`` greedy steps; seconds of each phase, the tokens, what is held
+    """Prefill ``prompt`` then ``new_tokens`` timed greedy steps; seconds of each phase, the tokens, what is held
     (and a CurKVCache's tiers)."""
     start = time.perf_counter()
     logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     prefill_s = time.perf_counter() - start
     TIMERS.clear()
     tokens = [int(logits[0, -1].argmax())]
-    steps = []
-    for _ in range(new_tokens - 1):
+    steps, peak_bytes = [], 0
+    for _ in range(new_tokens):
         token = torch.tensor([[tokens[-1]]])
         start = time.perf_counter()
         logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         tokens.append(int(logits[0, -1].argmax()))
         steps.append(time.perf_counter() - start)
+        peak_bytes = max(peak_bytes, held_bytes(cache))
     decode_s = sum(steps)
     result = {"prefill_s": prefill_s, "decode_s": decode_s, "median_step_s": sorted(steps)[len(steps) // 2],
               "tokens": tokens,
-              "compress_s": TIMERS["compress"], "score_s": TIMERS["score"], "bytes": held_bytes(cache)}
+              "compress_s": TIMERS["compress"], "score_s": TIMERS["score"], "bytes": peak_bytes}
     if isinstance(cache, CurKVCache):
         result |= {"tiers": cache.tier_sizes(0), "factored": cache.factored_attention}
     return result
@@ -135,7 +142,7 @@ def run_context(model, scorer, prompt: torch.Tensor, args: argparse.Namespace) -
     rows = []
     for index, (name, keep, _) in enumerate(runs):
         result = min(rounds[index], key=lambda run: run["decode_s"])
-        steps = args.new_tokens - 1
+        steps = args.new_tokens
         row = {"context": prompt.shape[-1], "cache": name, "keep": keep, "tok_s": steps / result["decode_s"],
                "median_step_ms": 1000 * result["median_step_s"], "prefill_s": result["prefill_s"],
                "bytes": result["bytes"],
@@ -201,7 +208,7 @@ def main() -> None:
     parser.add_argument("--scorer", default="smollm2-135m", help="scorer folder or shipped checkpoint name")
     parser.add_argument("--contexts", type=csv_ints, default=[2048, 4096, 8192], help="prompt lengths, comma-separated")
     parser.add_argument("--keeps", type=csv_floats, default=[0.5, 0.3], help="keep ratios, comma-separated")
-    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per run")
+    parser.add_argument("--new-tokens", type=int, default=256, help="timed greedy decode steps per run")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs of every cache, in alternating order; each cache's fastest run is reported")
     parser.add_argument("--settings", type=csv_settings, default=list(SETTINGS),
@@ -209,8 +216,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--backend", default="auto", help="kernel backend of CurKVCache (auto, torch, triton)")
     args = parser.parse_args()
-    if args.new_tokens < 2:
-        parser.error("--new-tokens must be at least 2 (one timed decode step)")
+    if args.new_tokens < 1:
+        parser.error("--new-tokens must be at least 1 (one timed decode step)")
     torch.set_num_threads(args.threads)
     instrument()
     model = load_base_model(args.base, attn_implementation="sdpa")

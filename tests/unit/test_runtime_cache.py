@@ -153,9 +153,23 @@ def test_decoding_recompresses_and_stays_within_bound(model, scorer):
                 assert cache.held_tokens(index) <= cache.token_bound(index)
             sizes.append(cache.held_tokens(0))
     assert cache.get_seq_length() == 200 + 4 * WINDOW
-    assert cache.tier_sizes(0)["hot"] < 2 * WINDOW  # recompressed every window
+    assert cache.tier_sizes(0)["hot"] < 3 * WINDOW  # one window protected, recompressed every 2
     assert max(sizes) < 200 + 4 * WINDOW
     assert cache.layers[0].compressible_seen == 200 + 4 * WINDOW - N_SINK - cache.tier_sizes(0)["hot"]
+
+
+@pytest.mark.parametrize("compress_every", [1, 2, 3])
+def test_decoding_compresses_once_per_interval(model, scorer, compress_every):
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compress_every=compress_every, backend="torch")
+    layer = cache.layers[0]
+    calls = []
+    compress = layer.compress
+    layer.compress = lambda: (calls.append(layer.seen), compress())
+    held = []
+    decode(model, prompt(200), cache, 6 * WINDOW, lambda: held.append(cache.held_tokens(0)))
+    interval = compress_every * WINDOW
+    assert calls[0] == 200 and calls[1:] == list(range(200 + interval, 200 + 6 * WINDOW + 1, interval))
+    assert max(held) <= cache.token_bound(0)
 
 
 def test_token_budget_bounds_memory_for_long_generation(model, scorer):
