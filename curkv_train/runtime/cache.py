@@ -103,10 +103,10 @@ class TierSettings:
     backend: str
     recent_share: float
     layer_budget: LayerBudget | None = None
-    interval: int = 0  # tokens of single-token steps between two compressions; 0: one window
+    interval: int | None = None  # tokens that pile up past the hot tier before a compression; None: one window
 
     def __post_init__(self) -> None:
-        if self.interval == 0:
+        if self.interval is None:
             object.__setattr__(self, "interval", self.window)
         check_keep_ratio(self.keep_ratio, allow_adaptive=True)
         check_recent_share(self.recent_share)

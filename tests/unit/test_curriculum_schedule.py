@@ -108,3 +108,8 @@ def test_bad_compression_range_is_rejected(bounds):
 def test_bad_recent_share_is_rejected():
     with pytest.raises(CurKVError, match="recent_share"):
         Curriculum([Stage(steps=1, recent_share=2.0)])
+
+
+def test_a_compression_interval_below_one_window_is_rejected():
+    with pytest.raises(CurKVError, match="compress_every must be >= 1"):
+        Curriculum([Stage(steps=1, streaming_rounds=2, compress_every=0)])

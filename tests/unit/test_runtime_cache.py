@@ -234,6 +234,12 @@ def test_triton_backend_compacts_like_torch(model, scorer):
     assert torch.equal(caches[0].layers[1].keys, caches[1].layers[1].keys)
 
 
+@pytest.mark.parametrize("compress_every", [0, -1])
+def test_a_compression_interval_below_one_window_is_a_user_error(model, scorer, compress_every):
+    with pytest.raises(CurKVError, match="compress_every >= 1"):
+        CurKVCache(scorer, model=model, keep_ratio=0.5, compress_every=compress_every)
+
+
 @pytest.mark.parametrize("keep_ratio", [0.0, -0.1, 1.5, "fast"])
 def test_keep_ratio_outside_range_is_a_user_error(model, scorer, keep_ratio):
     with pytest.raises(CurKVError, match="keep_ratio"):
