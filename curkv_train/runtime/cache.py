@@ -15,11 +15,11 @@ Per layer the cache holds, per (batch, KV head):
   without it every kept token stays dense.
 
 Compression runs each time ``compress_every`` windows of tokens have piled up past the hot
-tier (a prefill or chunk at least that long compresses right after it): the tokens that left the hot tier join the warm ones, are re-scored at the
-current length, and the top ones are kept so that the compressible tokens held
-(warm + cold) number ⌈ρ·n⌉ for the n compressible tokens seen so far (capped by
-``max_tokens`` / ``max_bytes``, a fixed-memory budget). Cold blocks are formed once and never re-selected. Different
-heads keep different tokens but always the same count, so K and V stay dense
+tier (a prefill or chunk at least that long compresses right after it): the tokens that
+left the hot tier join the warm ones, are re-scored at the current length, and the top
+ones are kept so that the compressible tokens held (warm + cold) number ⌈ρ·n⌉ for the n
+compressible tokens seen so far (capped by ``max_tokens`` / ``max_bytes``, a fixed-memory
+budget). Cold blocks are formed once and never re-selected. Different heads keep different tokens but always the same count, so K and V stay dense
 (batch, kv_heads, kept, head_dim) tensors.
 
 Attention over the cold tier: with the model's attention switched to the factored
@@ -102,12 +102,10 @@ class TierSettings:
     max_tokens: int | None
     backend: str
     recent_share: float
+    interval: int  # tokens that pile up past the hot tier before a compression
     layer_budget: LayerBudget | None = None
-    interval: int | None = None  # tokens that pile up past the hot tier before a compression; None: one window
 
     def __post_init__(self) -> None:
-        if self.interval is None:
-            object.__setattr__(self, "interval", self.window)
         check_keep_ratio(self.keep_ratio, allow_adaptive=True)
         check_recent_share(self.recent_share)
         if (self.window < 1 or self.n_sink < 0 or self.hot_tokens < self.window or self.warm_tokens < 0
@@ -453,11 +451,10 @@ class CurKVCache(Cache):
         n_sink, window: always-kept leading tokens and the window unit; default the scorer's.
         hot: protect the last ``hot_windows`` windows; off = only the last window.
         hot_windows: size of the hot tier in windows.
-        compress_every: compress once this many windows of tokens have piled up past the hot tier. Each
-            compression scores every held token, so
-            2 windows (the default) halves that work against 1; with the hot tier one window smaller than
-            the earlier default (3 windows, every window), the most tokens held and the bytes allocated
-            are the same (docs/runtime.md has the measurement).
+        compress_every: compress once this many windows of tokens have piled up past the hot tier.
+            Each compression scores every held token, so 2 (the default) halves that work against 1;
+            with a hot tier of 2 windows, the most tokens held and the bytes allocated are those of the
+            earlier defaults (3 hot windows, a compression every window; docs/runtime.md).
         warm: hold up to ⌈ρ·warm_windows·window⌉ kept tokens densely before they go cold;
             off = kept tokens go straight to the cold tier. Matters only with ``cold`` on:
             without a cold tier every kept token stays dense.
