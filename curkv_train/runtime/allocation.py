@@ -81,3 +81,23 @@ def layer_keep_ratios(ratio: float, sensitivity: tuple[float, ...], exponent: fl
         mean = sum(min(cap, scale * weight) for weight in weights) / len(weights)
         low, high = (scale, high) if mean < evicted else (low, scale)
     return tuple(1.0 - min(cap, low * weight) for weight in weights)
+
+
+def check_layer_budget_choice(choice: object) -> None:
+    """A one-line CurKVError unless ``choice`` is ``"scorer"``, ``"uniform"`` or a LayerBudget."""
+    if not isinstance(choice, LayerBudget) and choice not in ("scorer", "uniform"):
+        raise CurKVError(f"layer_budget must be 'scorer', 'uniform' or a LayerBudget, got {choice!r}")
+
+
+def resolve_layer_budget(choice: str | LayerBudget, scorer) -> LayerBudget | None:
+    """The layer budget ``choice`` names for ``scorer`` (a runtime Scorer): its calibrated one for
+    ``"scorer"``, None (one ratio for every layer) for ``"uniform"`` or a scorer without one, or ``choice``
+    itself; a one-line CurKVError for a bad choice or a budget of another layer count."""
+    check_layer_budget_choice(choice)
+    if choice == "uniform":
+        return None
+    budget = choice if isinstance(choice, LayerBudget) else scorer.layer_budget
+    if budget is not None and budget.num_layers != scorer.estimator.num_layers:
+        raise CurKVError(f"the layer budget covers {budget.num_layers} layers, the model has "
+                         f"{scorer.estimator.num_layers}")
+    return budget

@@ -66,7 +66,7 @@ from curkv_train.core.selection import (
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
-from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.runtime.allocation import LayerBudget, resolve_layer_budget
 from curkv_train.runtime.buffer import buffer_of, buffered
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.scorer import Scorer
@@ -510,7 +510,7 @@ class CurKVCache(Cache):
             warm_tokens=window * warm_windows if warm else 0, cold=cold, cold_block=cold_block or 4 * window,
             cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,
             compensation=compensation, compensation_ratio=compensation_ratio, max_tokens=max_tokens,
-            backend=backend, recent_share=recent_share, layer_budget=self._layer_budget(layer_budget, scorer))
+            backend=backend, recent_share=recent_share, layer_budget=resolve_layer_budget(layer_budget, scorer))
         layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
                   for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
@@ -521,22 +521,6 @@ class CurKVCache(Cache):
                 layer.settings = self.settings
         self.factored_attention = install_runtime_attention(
             model, factored=cold and factored_attention, per_layer=self.settings.layer_budget is not None)
-
-    @staticmethod
-    def _layer_budget(choice: str | LayerBudget, scorer: Scorer) -> LayerBudget | None:
-        """The layer budget ``choice`` names (None: one ratio for every layer); a one-line error for a bad one."""
-        if isinstance(choice, LayerBudget):
-            budget = choice
-        elif choice == "scorer":
-            budget = scorer.layer_budget
-        elif choice == "uniform":
-            return None
-        else:
-            raise CurKVError(f"layer_budget must be 'scorer', 'uniform' or a LayerBudget, got {choice!r}")
-        if budget is not None and budget.num_layers != scorer.estimator.num_layers:
-            raise CurKVError(f"the layer budget covers {budget.num_layers} layers, the model has "
-                             f"{scorer.estimator.num_layers}")
-        return budget
 
     def _observer(self, layer: int) -> ObservationBuffer:
         """An empty observation buffer sized for the scorer's needs at ``layer``."""

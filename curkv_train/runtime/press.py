@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from curkv_train.errors import CurKVError
-from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.runtime.allocation import LayerBudget, check_layer_budget_choice, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.scorer import Scorer
 
@@ -48,25 +48,25 @@ class CurKVPress(ScorerPress):
         Fraction of key-value pairs to remove (kvpress's convention; keep ratio = 1 − it).
     n_sink, window : int, optional
         Protected leading / trailing tokens; default the scorer's own.
-    layer_budget : str, default="scorer"
+    layer_budget : str or LayerBudget, default="scorer"
         ``"scorer"``: a scorer with a calibrated ``layer_budget`` (``curkv-train calibrate``) keeps
         ``int(n·ρ_l)`` in layer l, the ρ_l averaging to 1 − ``compression_ratio`` as in
-        :class:`~curkv_train.runtime.CurKVCache`; the model's attention is then switched to the
-        runtime's wrapper, which fits the mask to each layer's length. ``"uniform"``: one ratio.
+        :class:`~curkv_train.runtime.CurKVCache` (which reads this argument the same way); the model's
+        attention is then switched to the runtime's wrapper, which fits the mask to each layer's length.
+        ``"uniform"``: one ratio. A LayerBudget: that split.
     """
 
     scorer: Scorer | str | os.PathLike | None = None
     n_sink: int | None = None
     window: int | None = None
-    layer_budget: str = "scorer"
+    layer_budget: str | LayerBudget = "scorer"
     model: PreTrainedModel | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         super().__post_init__()
         if self.scorer is None:
             raise CurKVError("CurKVPress needs a scorer: a Scorer or the folder of an exported one")
-        if self.layer_budget not in ("scorer", "uniform"):
-            raise CurKVError(f"CurKVPress layer_budget must be 'scorer' or 'uniform', got {self.layer_budget!r}")
+        check_layer_budget_choice(self.layer_budget)
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         """Load the scorer (checked against ``model``) and keep the model for its rotary tables."""
@@ -81,8 +81,7 @@ class CurKVPress(ScorerPress):
     @property
     def budget(self) -> LayerBudget | None:
         """The loaded scorer's layer budget when the press follows it, else None."""
-        follows = self.layer_budget == "scorer" and isinstance(self.scorer, Scorer)
-        return self.scorer.layer_budget if follows else None
+        return resolve_layer_budget(self.layer_budget, self.scorer) if isinstance(self.scorer, Scorer) else None
 
     def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor, kwargs: dict) -> torch.Tensor:
