@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from curkv_train.core.selection import kept_count, newest_places
+from curkv_train.core.selection import kept_count, newest_places, share_of_compressible
 
 BUDGET_MODES = ("two_sided", "hinge", "lagrange")
 # Keep weight of an evicted token in the hard stage: small enough to leave the
@@ -133,11 +133,12 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
     """Attention biases of a context compressed in rounds, as CurKVCache compresses it while it grows.
 
     At round r (sequence end e_r) the tokens in [n_sink, e_r − hot) that survived the earlier
-    rounds compete, scored by that round's logits, and ⌈ρ·(e_r − hot − n_sink)⌉ of them stay (the
-    newest ⌊recent_share·kept⌋ of them whatever their score, :func:`newest_places`, with weight 1 and no
-    gradient); evicted tokens never come back. A token's log keep weight is the sum over the rounds it
-    competed in (hard: straight-through top-k per round; soft: σ(z/T) per round, i.e. the
-    product of its keep probabilities).
+    rounds compete, scored by that round's logits, and as many stay as make ρ of the e_r tokens
+    held, sinks and hot tier counted inside the budget as CurKVCache counts them
+    (:func:`share_of_compressible`); the newest ⌊recent_share·kept⌋ of them stay whatever their score
+    (:func:`newest_places`, with weight 1 and no gradient), and evicted tokens never come back. A
+    token's log keep weight is the sum over the rounds it competed in (hard: straight-through top-k
+    per round; soft: σ(z/T) per round, i.e. the product of its keep probabilities).
 
     Args:
         round_logits: per round, (layers, batch, kv_heads, e_r) logits scored at end e_r.
@@ -161,7 +162,7 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
         scores = torch.sigmoid(z / temperature)
         if keep_ratio >= 1.0:
             continue
-        count = kept_count(stop - n_sink, keep_ratio)
+        count = kept_count(stop - n_sink, share_of_compressible(stop - n_sink, end - stop + n_sink, keep_ratio))
         newest = newest_places(competing, count, recent_share)
         weight = scores
         if hard:

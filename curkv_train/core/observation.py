@@ -20,14 +20,15 @@ from transformers import PreTrainedModel
 class QueryStatistics:
     """Running first and second moments of a layer's pre-RoPE queries, over every token seen.
 
-    Bounded memory however long the sequence: (batch, heads, head_dim) sums and
-    (batch, heads, head_dim, head_dim) outer-product sums, float32.
+    Bounded memory however long the sequence, float32: (batch, heads, head_dim) sums and the
+    outer-product sums, which are symmetric, packed as their upper triangle (batch, heads,
+    head_dim·(head_dim + 1)/2): half the bytes of the square, with nothing lost.
     """
 
     def __init__(self) -> None:
         self.count = 0
         self.total: torch.Tensor | None = None
-        self.outer: torch.Tensor | None = None
+        self.outer: torch.Tensor | None = None  # packed upper triangle of Σ q qᵀ
 
     @classmethod
     def of(cls, queries: torch.Tensor) -> "QueryStatistics":
@@ -39,7 +40,8 @@ class QueryStatistics:
     def update(self, queries: torch.Tensor) -> None:
         """Add queries (batch, heads, tokens, head_dim)."""
         queries = queries.detach().float()
-        total, outer = queries.sum(dim=2), queries.transpose(-1, -2) @ queries
+        rows, cols = torch.triu_indices(queries.shape[-1], queries.shape[-1], device=queries.device)
+        total, outer = queries.sum(dim=2), (queries.transpose(-1, -2) @ queries)[..., rows, cols]
         self.total = total if self.total is None else self.total + total
         self.outer = outer if self.outer is None else self.outer + outer
         self.count += queries.shape[2]
@@ -51,7 +53,12 @@ class QueryStatistics:
     def covariance(self) -> torch.Tensor:
         """(batch, heads, head_dim, head_dim) covariance (normalised by the count, as ExpectedAttention)."""
         mean = self.mean()
-        return self.outer / self.count - mean[..., :, None] * mean[..., None, :]
+        head_dim = mean.shape[-1]
+        rows, cols = torch.triu_indices(head_dim, head_dim, device=mean.device)
+        second = self.outer.new_zeros(*self.outer.shape[:-1], head_dim, head_dim)
+        second[..., rows, cols] = self.outer
+        second[..., cols, rows] = self.outer
+        return second / self.count - mean[..., :, None] * mean[..., None, :]
 
     def nbytes(self) -> int:
         """Bytes held."""

@@ -38,6 +38,17 @@ def kept_count(num_compressible: int, keep_ratio: float) -> int:
     return min(num_compressible, math.ceil(keep_ratio * num_compressible - 1e-9))
 
 
+def share_of_compressible(compressible: int, protected: int, keep_ratio: float) -> float:
+    """The share of ``compressible`` tokens to keep so that ρ of every token seen is held, the
+    ``protected`` ones (sinks, hot tier) counted inside that budget: (ρ·(compressible + protected) −
+    protected) / compressible, within [0, 1]. How the runtime cache, and the training rounds that
+    imitate it, turn ``keep_ratio`` into a count: keep 0.5 holds half the tokens seen, as in kvpress.
+    """
+    if not compressible:
+        return keep_ratio
+    return min(1.0, max(0.0, keep_ratio * (compressible + protected) - protected) / compressible)
+
+
 def check_recent_share(recent_share: float) -> float:
     """``recent_share`` as a float in [0, 1], else a one-line CurKVError."""
     if isinstance(recent_share, (str, bool)) or not 0.0 <= float(recent_share) <= 1.0:

@@ -17,9 +17,9 @@ Per layer the cache holds, per (batch, KV head):
 Compression runs each time ``compress_every`` windows of tokens have piled up past the hot
 tier (a prefill or chunk at least that long compresses right after it): the tokens that
 left the hot tier join the warm ones, are re-scored at the current length, and the top
-ones are kept so that the compressible tokens held (warm + cold) number ⌈ρ·n⌉ for the n
-compressible tokens seen so far (capped by ``max_tokens`` / ``max_bytes``, a fixed-memory
-budget). Cold blocks are formed once and never re-selected. Different heads keep different
+ones are kept so that the cache holds ⌈ρ·n⌉ tokens for the n seen so far, sinks and hot
+tier included, as kvpress counts a compression ratio (capped by ``max_tokens`` /
+``max_bytes``, a fixed-memory budget). Cold blocks are formed once and never re-selected. Different heads keep different
 tokens but always the same count, so K and V stay dense (batch, kv_heads, kept, head_dim)
 tensors.
 
@@ -61,6 +61,7 @@ from curkv_train.core.selection import (
     compressible_mask,
     kept_count,
     newest_places,
+    share_of_compressible,
     select_kept,
 )
 from curkv_train.core.shapes import kv_shape, text_config
@@ -146,13 +147,14 @@ class TierSettings:
         return ratio if layer is None or self.layer_budget is None else self.layer_budget.ratios(ratio)[layer]
 
     def target(self, compressible_seen: int, seen: int, layer: int | None = None) -> int:
-        """Compressible tokens to hold (warm + cold) after ``compressible_seen`` of them went by, in ``layer``
-        (the mean layer's without it).
+        """Compressible tokens to hold (warm + cold) after ``compressible_seen`` of the ``seen`` tokens went
+        by, in ``layer`` (the mean layer's without it): with the ``seen − compressible_seen`` protected ones,
+        ρ of the tokens seen (:func:`~curkv_train.core.selection.share_of_compressible`).
 
         A token budget caps the mean over layers: under a layer budget the capped mean ratio is split
         across the layers like any other, so the whole cache holds what a uniform one would.
         """
-        ratio = self.ratio(seen)
+        ratio = share_of_compressible(compressible_seen, seen - compressible_seen, self.ratio(seen))
         if self.max_tokens is not None and compressible_seen:
             ratio = min(ratio, self.kept_cap / compressible_seen)
         if layer is not None and self.layer_budget is not None:
@@ -441,7 +443,8 @@ class CurKVCache(Cache):
     Args:
         scorer: a :class:`Scorer` or the path of an exported scorer folder.
         model: the base model (for its rotary tables and shapes).
-        keep_ratio: ρ, the share of compressible tokens kept, in (0, 1]; or ``"adaptive"``:
+        keep_ratio: ρ, the share of the tokens seen the cache holds after each compression, sinks and
+            hot tier included (kvpress's convention: keep 0.5 holds half), in (0, 1]; or ``"adaptive"``:
             1.0 below 1K tokens seen, 0.5 up to 4K, 0.3 beyond.
         recent_share: share of the places compressible tokens compete for at each compression given
             to the newest of them; the estimator fills the rest from the older ones (H2O's
@@ -565,7 +568,8 @@ class CurKVCache(Cache):
         if not window:
             return 0
         element = torch.empty((), dtype=self.model.dtype).element_size()
-        moments = shape.num_attention_heads * shape.head_dim * (shape.head_dim + 1) * 4
+        packed_outer = shape.head_dim * (shape.head_dim + 1) // 2
+        moments = shape.num_attention_heads * (shape.head_dim + packed_outer) * 4
         return shape.num_layers * (window * shape.hidden_size * element + moments)
 
     def tokens_within(self, max_bytes: int) -> int:
@@ -582,4 +586,5 @@ class CurKVCache(Cache):
         """Most tokens layer ``layer_idx`` may hold per (batch, KV head) at its current length."""
         layer, settings = self.layers[layer_idx], self.settings
         pending = settings.hot_tokens + settings.interval - 1
-        return settings.n_sink + pending + settings.target(layer.compressible_seen, layer.seen, layer_idx)
+        last_compression = layer.compressible_seen + layer.n_sink_held + settings.hot_tokens  # tokens seen then
+        return settings.n_sink + pending + settings.target(layer.compressible_seen, last_compression, layer_idx)

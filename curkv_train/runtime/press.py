@@ -34,11 +34,10 @@ class CurKVPress(ScorerPress):
     tokens get a score far above the rest so kvpress keeps them.
 
     Budget: kvpress keeps ``max(1, int(n·(1 − compression_ratio)))`` of *all* n tokens,
-    protected ones included, while curkv-train's own selection
+    protected ones included, as CurKVCache does, while the harness's one-prefill selection
     (:func:`curkv_train.core.selection.select_kept`) keeps the protected tokens plus
     ⌈ρ·n_compressible⌉ of the rest. Here the protected tokens come out of kvpress's
-    budget, so slightly fewer compressible tokens survive at the same ratio (and only
-    part of the protected span if the budget is smaller than it).
+    budget (only part of the protected span is kept if the budget is smaller than it).
 
     Parameters
     ----------

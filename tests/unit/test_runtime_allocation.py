@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from curkv_train.core.selection import share_of_compressible
 from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import CurKVCache
@@ -71,9 +72,9 @@ def test_layers_hold_their_share_and_chunks_match_single_tokens(model):
     model(prompt, past_key_values=stepped)
     sizes = chunked.tier_sizes(0), chunked.tier_sizes(1)
     assert sizes[0]["warm"] < sizes[1]["warm"]
-    ratios = chunked.settings.layer_budget.ratios(0.5)
+    compressible = 200 - chunked.settings.n_sink - chunked.settings.hot_tokens
+    ratios = chunked.settings.layer_budget.ratios(share_of_compressible(compressible, 200 - compressible, 0.5))
     for layer in range(2):
-        compressible = 200 - chunked.settings.n_sink - chunked.settings.hot_tokens
         assert chunked.tier_sizes(layer)["warm"] == chunked.settings.target(compressible, 200, layer)
         assert chunked.settings.target(compressible, 200, layer) == pytest.approx(ratios[layer] * compressible, abs=1)
     whole = model(tail, past_key_values=chunked).logits

@@ -1,5 +1,7 @@
 """CurKVCache on the tiny random Llama: exactness at ρ = 1, bytes held, bounded decoding, tiers."""
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -75,7 +77,7 @@ def test_half_keep_after_prefill_holds_at_most_52_percent(model, scorer):
         cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
         model(ids, past_key_values=cache)
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
-    kept = N_SINK + WINDOW + (1024 - N_SINK - WINDOW + 1) // 2
+    kept = 1024 // 2  # sinks and window inside the half
     for layer in cache.layers:
         assert layer.keys.shape == (1, 2, kept, 16) and layer.values.shape == (1, 2, kept, 16)
         assert layer.positions.shape == (1, 2, kept)
@@ -121,13 +123,13 @@ class OldestFirstCache(CurKVCache):
         return -positions.float()
 
 
-@pytest.mark.parametrize("share, recent", [(0.0, 0), (0.5, 95), (1.0, 190)])
+@pytest.mark.parametrize("share, recent", [(0.0, 0), (0.5, 90), (1.0, 180)])
 def test_recent_share_gives_the_newest_their_places_and_the_score_the_rest(model, scorer, share, recent):
     cache = OldestFirstCache(scorer, model=model, keep_ratio=0.5, recent_share=share, backend="torch", **TIERS_OFF)
     with torch.no_grad():
         model(prompt(400), past_key_values=cache)
-    # 380 compressible tokens (after 4 sinks, before the 16-token window): 190 kept
-    scored = list(range(N_SINK, N_SINK + 190 - recent))
+    # 200 held, 20 of them the 4 sinks and the 16-token window: 180 of the 380 compressible tokens kept
+    scored = list(range(N_SINK, N_SINK + 180 - recent))
     newest = list(range(400 - WINDOW - recent, 400 - WINDOW))
     expected = list(range(N_SINK)) + scored + newest + list(range(400 - WINDOW, 400))
     for head in cache.layers[0].positions.long()[0]:
@@ -156,6 +158,18 @@ def test_decoding_recompresses_and_stays_within_bound(model, scorer):
     assert cache.tier_sizes(0)["hot"] < 3 * WINDOW  # one window protected, recompressed every 2
     assert max(sizes) < 200 + 4 * WINDOW
     assert cache.layers[0].compressible_seen == 200 + 4 * WINDOW - N_SINK - cache.tier_sizes(0)["hot"]
+
+
+@pytest.mark.parametrize("keep_ratio", [0.3, 0.5, 0.8])
+def test_keep_ratio_is_the_share_of_every_token_seen_held_after_a_compression(model, scorer, keep_ratio):
+    """Sinks and the hot tier count inside ρ: right after each compression every layer holds ⌈ρ·seen⌉."""
+    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, layer_budget="uniform", backend="torch")
+    layer, after = cache.layers[0], []
+    compress = layer.compress
+    layer.compress = lambda: (compress(), after.append((layer.seen, cache.held_tokens(0))))
+    decode(model, prompt(300), cache, 6 * WINDOW, lambda: None)
+    assert len(after) >= 3
+    assert all(held == math.ceil(keep_ratio * seen - 1e-9) for seen, held in after)
 
 
 @pytest.mark.parametrize("compress_every", [1, 2, 3])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from curkv_train.core.observation import QueryStatistics
 from curkv_train.runtime.observer import ObservationBuffer
 
 HEADS, DIM = 3, 4
@@ -32,6 +33,16 @@ def test_chunked_queries_give_the_observation_of_one_prefill(chunks):
     assert streamed.statistics.count == sum(chunks) - 2
     torch.testing.assert_close(streamed.statistics.mean(), all_queries[:, :, 2:].mean(dim=2))
     torch.testing.assert_close(streamed.statistics.covariance(), whole.statistics.covariance())
+    counted = all_queries[:, :, 2:]
+    centred = counted - counted.mean(dim=2, keepdim=True)
+    reference = centred.transpose(-1, -2) @ centred / counted.shape[2]
+    torch.testing.assert_close(streamed.statistics.covariance(), reference)
+
+
+def test_query_moments_hold_the_packed_upper_triangle():
+    statistics = QueryStatistics.of(queries(12))
+    batch, heads, _, head_dim = queries(12).shape
+    assert statistics.nbytes() == batch * heads * (head_dim + head_dim * (head_dim + 1) // 2) * 4
 
 
 def test_window_shorter_than_what_was_seen_so_far_and_bytes_stay_bounded():

@@ -61,9 +61,10 @@ def test_soft_rounds_multiply_keep_probabilities():
 
 def test_newest_places_are_kept_without_gradient():
     logits = [torch.full((1, 1, 1, 16), -5.0, requires_grad=True)]
-    bias, _ = streaming_keep_bias(logits, [16], n_sink=1, hot=4, temperature=1.0, keep_ratio=0.5, hard=False,
+    bias, _ = streaming_keep_bias(logits, [16], n_sink=1, hot=4, temperature=1.0, keep_ratio=11 / 16, hard=False,
                                   recent_share=0.5)
-    # 11 compete (positions 1..11), 6 places, the newest 3 (9, 10, 11) kept whatever their score
+    # 11 held, 5 of them sink and hot: 11 compete (positions 1..11) for 6 places, the newest 3 (9, 10, 11)
+    # kept whatever their score
     assert torch.all(bias[0, 0, 0, 9:12] == 0) and torch.all(bias[0, 0, 0, 1:9] < -4)
     bias.sum().backward()
     assert torch.all(logits[0].grad[0, 0, 0, 9:12] == 0) and torch.all(logits[0].grad[0, 0, 0, 1:9] != 0)
