@@ -1,10 +1,14 @@
 """What scoring costs at prefill: a CurKVCache prefill vs a plain DynamicCache prefill, in one process.
 
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
-       [--contexts 1024,4096] [--repeats 3] [--threads 2]
+       [--contexts 1024,4096] [--repeats 3] [--threads 2] [--device cpu] [--dtype float32]
+       [--random-weights] [--layers N]
 
 ``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
-that family (timing does not depend on the weights). For each context length: the median time
+that family (timing does not depend on the weights). ``--random-weights`` builds the base from its
+config alone (``--base`` may then be a folder holding only a config.json, e.g. Llama-2-70B's), and
+``--layers N`` keeps its first N layers: the shares are per layer, so a few layers of a large
+model give its shares without its weights. For each context length: the median time
 of a plain prefill (DynamicCache), and of a prefill through CurKVCache (keep 0.5, no cold tier),
 split into what the cache adds: observing (the hooks' recording of queries / hidden states and
 the query statistics), scoring (features + estimator, ``CurKVCache._score``) and selecting
@@ -16,18 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from curkv_train.core.shapes import kv_shape
-from curkv_train.models.base import load_base_model
+from curkv_train.models.base import freeze, load_base_model, resolve_model_source
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
 from curkv_train.runtime.cache import CurKVLayer
-from timing import TIMERS, timed  # benchmarks/timing.py, beside this script
+from timing import TIMERS, clock, timed  # benchmarks/timing.py, beside this script
+
 
 def instrument() -> None:
     """Time observation, scoring and eviction inside CurKVCache (this process only)."""
@@ -35,6 +39,20 @@ def instrument() -> None:
     CurKVLayer.observe_hidden = timed("observe", CurKVLayer.observe_hidden)
     CurKVLayer._evict = timed("evict", CurKVLayer._evict)
     CurKVCache._score = timed("score", CurKVCache._score)
+
+
+def load_model(base: str, *, random_weights: bool, layers: int | None, dtype: torch.dtype,
+               device: str) -> PreTrainedModel:
+    """The base model on ``device``, or (``random_weights``) one built from its config, first ``layers`` layers."""
+    if not random_weights and layers is None:
+        return load_base_model(base, dtype=dtype, attn_implementation="sdpa").to(device)
+    config = AutoConfig.from_pretrained(resolve_model_source(base))
+    config.num_hidden_layers = layers or config.num_hidden_layers
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: a large geometry never sits in host memory
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.name_or_path = base
+    return freeze(model)
 
 
 def make_scorer(spec: str, model) -> Scorer:
@@ -51,15 +69,16 @@ def median_seconds(run: Callable[[], None], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         TIMERS.clear()
-        start = time.perf_counter()
+        start = clock()
         run()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return sorted(times)[len(times) // 2]
 
 
 def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
     """Plain and CurKVCache prefill times and the cache's parts for one context length."""
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
 
     def plain() -> None:
         with torch.no_grad():
@@ -72,7 +91,8 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
     plain_s = median_seconds(plain, repeats)
     cached_s = median_seconds(cached, repeats)
     parts = {"observe": TIMERS["observe"], "score": TIMERS["score"], "select": TIMERS["evict"] - TIMERS["score"]}
-    return {"context": context, "family": scorer.family, "plain_prefill_s": round(plain_s, 4),
+    return {"context": context, "family": scorer.family, "device": str(model.device), "dtype": str(model.dtype),
+            "layers": model.config.num_hidden_layers, "plain_prefill_s": round(plain_s, 4),
             "cache_prefill_s": round(cached_s, 4), **{f"{k}_s": round(v, 4) for k, v in parts.items()},
             **{f"{k}_share": round(v / plain_s, 4) for k, v in parts.items()},
             "overhead_share": round(cached_s / plain_s - 1, 4)}
@@ -85,9 +105,14 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--random-weights", action="store_true", help="build the base from its config only")
+    parser.add_argument("--layers", type=int, default=None, help="keep the base's first N layers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_base_model(args.base, attn_implementation="sdpa")
+    model = load_model(args.base, random_weights=args.random_weights, layers=args.layers,
+                       dtype=getattr(torch, args.dtype), device=args.device)
     scorer = make_scorer(args.scorer, model)
     instrument()
     print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")

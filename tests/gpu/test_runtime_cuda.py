@@ -1,0 +1,68 @@
+"""CurKVCache on a GPU: what it does on the CPU, with every tensor on the device (skipped without CUDA).
+
+Runs the tiny random Llama: the runtime's device handling (rotary tables, positions, the observation
+buffers, the Triton compaction and factored-attention kernels) is what is under test, not speed.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from curkv_train.models.base import TINY_RANDOM, load_base_model
+from curkv_train.runtime import CurKVCache
+from runtime_helpers import family_scorer
+
+pytestmark = pytest.mark.gpu
+
+FAMILIES = ["seed", "query_aware", "hidden"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The tiny Llama on the CPU and on the GPU (the same weights)."""
+    cpu = load_base_model(TINY_RANDOM, attn_implementation="sdpa")
+    return {"cpu": cpu, "cuda": load_base_model(TINY_RANDOM, attn_implementation="sdpa").to("cuda")}
+
+
+def prompt(length: int, device: str) -> torch.Tensor:
+    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def greedy(model, ids: torch.Tensor, cache, new: int = 24) -> torch.Tensor:
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          past_key_values=cache, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_keep_one_generates_what_the_full_cache_generates(models, family):
+    model, ids = models["cuda"], prompt(200, "cuda")
+    full = greedy(model, ids, DynamicCache(config=model.config))
+    assert torch.equal(greedy(model, ids, CurKVCache(family_scorer(family), model=model, keep_ratio=1.0)), full)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_half_keep_selects_what_the_cpu_selects(models, family):
+    held = {}
+    for device, model in models.items():
+        cache = CurKVCache(family_scorer(family), model=model, keep_ratio=0.5, layer_budget="uniform")
+        with torch.no_grad():
+            model(prompt(300, device), past_key_values=cache)
+        layer = cache.layers[-1]
+        assert layer.keys.device.type == layer.positions.device.type == device
+        held[device] = layer.positions.long().cpu()
+    assert held["cuda"].shape == held["cpu"].shape
+    agreement = (held["cuda"][..., :, None] == held["cpu"][..., None, :]).any(-1).float().mean()
+    assert agreement > 0.97, f"GPU and CPU keep different tokens: {agreement:.3f} of the kept positions agree"
+
+
+@torch.no_grad()
+def test_cold_tier_through_the_triton_kernels_matches_torch(models):
+    model, ids, tail = models["cuda"], prompt(400, "cuda"), prompt(8, "cuda")
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = CurKVCache(family_scorer("seed"), model=model, keep_ratio=0.5, cold=True, warm_windows=2,
+                           backend=backend)
+        model(ids, past_key_values=cache)
+        assert cache.layers[0].cold, "the prompt should leave a cold block"
+        logits[backend] = torch.cat([model(tail[:, i : i + 1], past_key_values=cache).logits for i in range(8)], 1)
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-3, rtol=1e-3)
