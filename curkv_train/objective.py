@@ -35,6 +35,9 @@ class TrainingSettings:
         compress_every: with streaming rounds, windows between two rounds (the cache's ``compress_every``).
         recent_share: with streaming rounds, the share of each round's kept places given to the newest
             competing tokens (the cache's ``recent_share``; 0: every place by score).
+        count_protected: with streaming rounds, sinks and hot tier count inside ρ, as CurKVCache counts
+            them; False: ρ of the competing span, as the cache counted before 2026-12-04 (recipes of
+            scorers trained then record it, so they still reproduce).
     """
 
     keep_ratio: float = 0.5
@@ -46,6 +49,7 @@ class TrainingSettings:
     hot_windows: int = 2
     compress_every: int = 2
     recent_share: float = 0.0
+    count_protected: bool = True
 
 
 def _chunk_kl(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -129,13 +133,14 @@ def streaming_ends(context_length: int, rounds: int, stride: int) -> list[int]:
 
 def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_sink: int, hot: int,
                         temperature: float, keep_ratio: float, hard: bool,
-                        recent_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        recent_share: float = 0.0, count_protected: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention biases of a context compressed in rounds, as CurKVCache compresses it while it grows.
 
     At round r (sequence end e_r) the tokens in [n_sink, e_r − hot) that survived the earlier
     rounds compete, scored by that round's logits, and as many stay as make ρ of the e_r tokens
     held, sinks and hot tier counted inside the budget as CurKVCache counts them
-    (:func:`share_of_compressible`); the newest ⌊recent_share·kept⌋ of them stay whatever their score
+    (:func:`share_of_compressible`; with ``count_protected`` False, ⌈ρ·(e_r − hot − n_sink)⌉ of them);
+    the newest ⌊recent_share·kept⌋ of them stay whatever their score
     (:func:`newest_places`, with weight 1 and no gradient), and evicted tokens never come back. A
     token's log keep weight is the sum over the rounds it competed in (hard: straight-through top-k
     per round; soft: σ(z/T) per round, i.e. the product of its keep probabilities).
@@ -162,7 +167,8 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
         scores = torch.sigmoid(z / temperature)
         if keep_ratio >= 1.0:
             continue
-        count = kept_count(stop - n_sink, share_of_compressible(stop - n_sink, end - stop + n_sink, keep_ratio))
+        protected = end - stop + n_sink if count_protected else 0
+        count = kept_count(stop - n_sink, share_of_compressible(stop - n_sink, protected, keep_ratio))
         newest = newest_places(competing, count, recent_share)
         weight = scores
         if hard:

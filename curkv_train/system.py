@@ -204,7 +204,8 @@ class CurKVModule(L.LightningModule):
                         for end in ends[:-1]] + [logits]
         return streaming_keep_bias(round_logits, ends, n_sink=hp.n_sink, hot=settings.hot_windows * hp.window,
                                    temperature=settings.temperature, keep_ratio=settings.keep_ratio,
-                                   hard=settings.hard_topk, recent_share=settings.recent_share)
+                                   hard=settings.hard_topk, recent_share=settings.recent_share,
+                                   count_protected=settings.count_protected)
 
     def warm_start_loss(self, capture: ContextCapture, target: torch.Tensor) -> torch.Tensor:
         """The dense ranking term alone (warm start: no continuation, no backward through the LLM)."""

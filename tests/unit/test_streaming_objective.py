@@ -70,6 +70,16 @@ def test_newest_places_are_kept_without_gradient():
     assert torch.all(logits[0].grad[0, 0, 0, 9:12] == 0) and torch.all(logits[0].grad[0, 0, 0, 1:9] != 0)
 
 
+@pytest.mark.parametrize("count_protected, kept", [(True, 6), (False, 8)])
+def test_a_round_keeps_rho_of_what_it_saw_or_of_its_competing_span(count_protected, kept):
+    """16 tokens, sink 1, hot 4, keep 11/16: 11 held with the 5 protected inside (6 kept of the 11 competing),
+    or ⌈11/16·11⌉ = 8 of the competing span when the protected ones are not counted."""
+    logits = [torch.randn(1, 1, 1, 16, generator=torch.Generator().manual_seed(0))]
+    bias, _ = streaming_keep_bias(logits, [16], n_sink=1, hot=4, temperature=1.0, keep_ratio=11 / 16, hard=True,
+                                  count_protected=count_protected)
+    assert int((bias[0, 0, 0, 1:12] > -1).sum()) == kept
+
+
 def test_streaming_training_step_runs_and_moves_the_estimator():
     torch.manual_seed(0)
     module = CurKVModule(base_model=TINY_RANDOM, estimator="query_aware", estimator_options={"observation_window": 8},
