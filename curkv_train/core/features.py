@@ -27,21 +27,22 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from curkv_train.core.observation import Observation, QueryStatistics, attention_module
+from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import average_rotation, rotary_tables, rotate
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
 EPSILON = 1e-6
 
 
-def query_features(model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
+def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, end: int, observation: Observation, *,
                    future_positions: int = 512, pool_kernel: int = 5) -> torch.Tensor:
     """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
 
     Args:
-        model: the base model (attention projections and rotary tables of ``layer``).
-        layer: decoder layer index.
+        model: the base model (its rotary tables).
+        module: the layer's attention module (:func:`~curkv_train.core.observation.attention_module`;
+            the module rather than its index, so a compiled scorer runs one graph for every layer).
         keys: (batch, kv_heads, tokens, head_dim) keys as cached (post-RoPE).
         values: (batch, kv_heads, tokens, head_dim) values.
         positions: (tokens,) absolute positions, or (batch, kv_heads, tokens) when each head
@@ -54,7 +55,6 @@ def query_features(model: PreTrainedModel, layer: int, keys: torch.Tensor, value
     Returns:
         (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
     """
-    module = attention_module(model, layer)
     batch, kv_heads, tokens, dim = keys.shape
     queries = observation.queries.float()
     group = queries.shape[1] // kv_heads
@@ -140,6 +140,7 @@ def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int)
     return squared.clamp_min(0).sqrt().transpose(2, 3)
 
 
+@torch.compiler.disable  # a cache lookup: traced, its key would be a guard, and every layer a recompilation
 def output_gram(module: torch.nn.Module, kv_heads: int, group: int) -> torch.Tensor:
     """W_O^(h,g)ᵀ·W_O^(h,g) for every (KV head h, query head g): (kv_heads, group, head_dim, head_dim) float32.
 

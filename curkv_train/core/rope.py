@@ -82,7 +82,8 @@ def average_rotation(model: PreTrainedModel | None, start: int, count: int, head
     so the average is diag(mean cos) + diag(mean sin)·P. Identity without rotary embeddings.
     """
     eye = torch.eye(head_dim, device=like.device)
-    tables = None if model is None else rotary_tables(model, torch.arange(start, start + count), like)
+    positions = torch.arange(start, start + count, device=like.device)  # made there: no blocking host copy
+    tables = None if model is None else rotary_tables(model, positions, like)
     if tables is None:
         return eye
     cos, sin = tables

@@ -132,8 +132,9 @@ def estimator_inputs(model: PreTrainedModel, estimator: nn.Module, capture: Cont
     if "query_features" in estimator.needs:
         with torch.no_grad():
             features = torch.stack([
-                estimator.query_features(model, layer, keys[layer], values[layer], positions, end,
-                                         capture.observation(model, layer, end, estimator.statistics_skip))
+                estimator.query_features(model, attention_module(model, layer), keys[layer], values[layer],
+                                         positions, end, capture.observation(model, layer, end,
+                                                                             estimator.statistics_skip))
                 for layer in layers])
     if "token_scores" in estimator.needs:
         hidden = torch.stack([capture.hidden[layer][:, :end] for layer in layers])

@@ -77,11 +77,12 @@ class QueryAwareEstimator(ValueEstimator):
         """float32 values kept for the backward per (layer, KV head, token): the seed's, features, feature MLP."""
         return super().activation_floats() + len(QUERY_FEATURES) + self.feature_hidden
 
-    def query_features(self, model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
+    def query_features(self, model: PreTrainedModel, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
                        positions: torch.Tensor, end: int, observation: Observation) -> torch.Tensor:
-        """This estimator's features of one layer, (batch, kv_heads, tokens, F): :func:`query_features`
-        with its observation window, future positions and pooling (training, cache and press all call this)."""
-        return query_features(model, layer, keys, values, positions, end, observation.last(self.observation_window),
+        """This estimator's features of one layer (``module``: its attention module), (batch, kv_heads, tokens, F):
+        :func:`query_features` with its observation window, future positions and pooling (training, cache and
+        press all call this)."""
+        return query_features(model, module, keys, values, positions, end, observation.last(self.observation_window),
                               future_positions=self.future_positions, pool_kernel=self.pool_kernel)
 
     def forward(self, inputs: EstimatorInputs, layers: torch.Tensor | slice = slice(None)) -> torch.Tensor:

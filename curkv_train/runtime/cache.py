@@ -484,6 +484,10 @@ class CurKVCache(Cache):
         factored_attention: attend to cold blocks through their factors (the model's sdpa or
             eager attention is wrapped, see :mod:`curkv_train.runtime.attention`); False
             rebuilds them densely at each step.
+        compile_scorer: score through ``torch.compile`` (:meth:`Scorer.compiled`): the first
+            compression pays the compilation (tens of seconds), later ones run fused kernels
+            (scoring 1.3–1.7× faster on an H200, where it is bound by operator launches;
+            docs/runtime.md).
     """
 
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
@@ -495,7 +499,7 @@ class CurKVCache(Cache):
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
                  compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
                  layer_budget: str | LayerBudget = "scorer", backend: str = "auto",
-                 factored_attention: bool = True) -> None:
+                 factored_attention: bool = True, compile_scorer: bool = False) -> None:
         from curkv_train.runtime.attention import install_runtime_attention
         from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 
@@ -504,7 +508,7 @@ class CurKVCache(Cache):
         else:
             scorer = load_scorer(scorer, model=model)
         check_full_attention(model)
-        self.scorer, self.model = scorer, model
+        self.scorer, self.model = scorer.compiled() if compile_scorer else scorer, model
         window = scorer.window if window is None else window
         half = max(1, scorer.estimator.head_dim // 2)
         self.settings = TierSettings(

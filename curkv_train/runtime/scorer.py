@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -97,17 +97,39 @@ class Scorer:
             positions = torch.arange(keys.shape[2], device=keys.device)
         if end is None:
             end = int(positions.max()) + 1
-        self.estimator.to(keys.device)
-        features = None
-        if "query_features" in self.estimator.needs:
-            if observation is None:
-                raise CurKVError(f"a {self.family} scorer needs the observation window (the last "
-                                 f"{self.observation_window} hidden states of layer {layer}); none was recorded")
-            features = self.estimator.query_features(model, layer, keys, values, positions, end, observation)[None]
+        if "query_features" in self.estimator.needs and observation is None:
+            raise CurKVError(f"a {self.family} scorer needs the observation window (the last "
+                             f"{self.observation_window} hidden states of layer {layer}); none was recorded")
         if self.scores_on_arrival and token_scores is None:
             raise CurKVError(f"a {self.family} scorer needs each token's stored score (from its hidden state) for "
                              f"layer {layer}; none was recorded")
+        self.estimator.to(keys.device)
+        layers = torch.arange(layer, layer + 1, device=keys.device)  # made on the device: no host-to-device copy
+        return self.layer_logits(model, attention_module(model, layer), layers, keys, values, positions, end,
+                                 observation, token_scores)
+
+    def layer_logits(self, model: PreTrainedModel, module: nn.Module, layers: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, positions: torch.Tensor, end: int, observation: Observation | None,
+                     token_scores: torch.Tensor | None) -> torch.Tensor:
+        """The tensor work of :meth:`score_layer` (features, key view, estimator) for the layer whose attention
+        module is ``module`` and index ``layers`` (1,): what :meth:`compiled` compiles. Returns (batch, kv_heads,
+        tokens) float32 logits."""
+        features = None
+        if "query_features" in self.estimator.needs:
+            features = self.estimator.query_features(model, module, keys, values, positions, end, observation)[None]
         inputs = EstimatorInputs(key_view(model, keys, positions, self.key_view, end)[None], values.float()[None],
                                  positions, end, query_features=features,
                                  token_scores=None if token_scores is None else token_scores[None])
-        return self.estimator(inputs, layers=torch.tensor([layer], device=keys.device))[0]
+        return self.estimator(inputs, layers=layers)[0]
+
+    def compiled(self) -> "Scorer":
+        """A copy of this scorer (sharing its estimator) whose :meth:`layer_logits` runs through
+        ``torch.compile`` with dynamic shapes: one graph serves every layer and length (the attention
+        module and layer index are inputs, not constants), compiled on the first call.
+
+        Scoring is some hundreds of small operators per layer, so where launches dominate (a GPU,
+        short contexts) fusing them is most of its cost; the first call pays the compilation.
+        """
+        copy = replace(self)
+        copy.layer_logits = torch.compile(copy.layer_logits, dynamic=True)
+        return copy

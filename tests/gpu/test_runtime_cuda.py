@@ -66,3 +66,13 @@ def test_cold_tier_through_the_triton_kernels_matches_torch(models):
         assert cache.layers[0].cold, "the prompt should leave a cold block"
         logits[backend] = torch.cat([model(tail[:, i : i + 1], past_key_values=cache).logits for i in range(8)], 1)
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-3, rtol=1e-3)
+
+
+@torch.no_grad()
+def test_a_compiled_scorer_keeps_what_the_eager_one_keeps(models):
+    model, held = models["cuda"], []
+    for compile_scorer in (False, True):
+        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compile_scorer=compile_scorer)
+        model(prompt(300, "cuda"), past_key_values=cache)
+        held.append(torch.stack([layer.positions.long() for layer in cache.layers]))
+    assert torch.equal(held[1], held[0])

@@ -1,0 +1,44 @@
+"""Scorer.compiled(): the eager scorer's logits through torch.compile, one graph for every layer and length."""
+
+import pytest
+import torch
+import torch._dynamo
+
+from curkv_train.runtime import CurKVCache
+from runtime_helpers import family_scorer
+
+pytestmark = pytest.mark.integration  # compiling takes tens of seconds on a CPU
+
+
+def layer_inputs(scorer, model, layer: int, tokens: int, seed: int) -> dict:
+    """Random post-RoPE keys, values and per-head positions of one layer, with the observation of random
+    hidden states (what CurKVCache hands the scorer at a compression)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn(1, 2, tokens, 16, generator=generator) for _ in range(2))
+    hidden = torch.randn(1, tokens, model.config.hidden_size, generator=generator)
+    positions = torch.arange(tokens).expand(1, 2, tokens).contiguous()
+    observation = scorer.prefill_inputs(model, layer, hidden, torch.arange(tokens))["observation"]
+    return {"keys": keys, "values": values, "positions": positions, "end": tokens, "observation": observation}
+
+
+@torch.no_grad()
+def test_compiled_logits_equal_the_eager_ones_without_a_compilation_per_layer_or_length(model):
+    scorer = family_scorer("query_aware")
+    compiled = scorer.compiled()
+    compiled.score_layer(model, 0, **layer_inputs(scorer, model, 0, 40, seed=0))  # compiles
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for layer, tokens in [(0, 57), (1, 40), (1, 93)]:
+        inputs = layer_inputs(scorer, model, layer, tokens, seed=tokens)
+        torch.testing.assert_close(compiled.score_layer(model, layer, **inputs),
+                                   scorer.score_layer(model, layer, **inputs), atol=1e-4, rtol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_cache_with_a_compiled_scorer_generates_what_the_eager_one_does(model):
+    prompt = torch.randint(3, 512, (1, 200), generator=torch.Generator().manual_seed(0))
+    tokens = []
+    for compile_scorer in (False, True):
+        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compile_scorer=compile_scorer)
+        tokens.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
+                                     do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None))
+    assert torch.equal(tokens[1], tokens[0])
