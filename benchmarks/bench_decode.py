@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 256] [--threads 2]
-       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot,uniform,every-window]
+       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot,uniform,every-window,
+        compiled]
        [--backend auto]
        [--rounds 2]
 
@@ -33,7 +34,8 @@ kept places to the newest tokens); ``score-only`` every kept place by score (``r
 ``cold-no-warm`` cold with warm=False; ``no-hot`` hot=False; ``uniform`` one keep ratio for every
 layer (``layer_budget="uniform"``; the default follows the scorer's calibrated budget, if any);
 ``every-window`` the earlier defaults, a compression every window with a hot tier of 3 (the same
-most-held tokens as the default's 2 and 2). ``--new-tokens`` should be a multiple of every setting's
+most-held tokens as the default's 2 and 2); ``compiled`` the default scoring through ``torch.compile``
+(``compile_scorer=True``; the prefill's compression compiles it, so only the prefill pays). ``--new-tokens`` should be a multiple of every setting's
 compression interval (the default's is 128 tokens; 64 for ``every-window``): the prefill leaves no
 token pending, so each setting then compresses exactly once per interval timed.
 
@@ -70,6 +72,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "no-hot": {"hot": False},
     "uniform": {"layer_budget": "uniform"},
     "every-window": {"compress_every": 1, "hot_windows": 3},
+    "compiled": {"compile_scorer": True},
 }
 BASELINE = "dynamic"
 DEFAULT = "default"
