@@ -57,7 +57,7 @@ def instrumented() -> Iterator[None]:
 def load_model(base: str, *, random_weights: bool, layers: int | None, dtype: torch.dtype,
                device: str) -> PreTrainedModel:
     """The base model on ``device``, or (``random_weights``) one built from its config, first ``layers`` layers."""
-    if not random_weights and layers is None:
+    if not random_weights:
         return load_base_model(base, dtype=dtype, attn_implementation="sdpa").to(device)
     config = AutoConfig.from_pretrained(resolve_model_source(base))
     config.num_hidden_layers = layers or config.num_hidden_layers
@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="keep the base's first N layers")
     parser.add_argument("--compile", action="store_true", help="score through torch.compile (Scorer.compiled)")
     args = parser.parse_args()
+    if args.layers is not None and not args.random_weights:
+        parser.error("--layers builds a truncated model from the config: pass --random-weights with it")
     torch.set_num_threads(args.threads)
     model = load_model(args.base, random_weights=args.random_weights, layers=args.layers,
                        dtype=getattr(torch, args.dtype), device=args.device)

@@ -19,9 +19,9 @@ tier (a prefill or chunk at least that long compresses right after it): the toke
 left the hot tier join the warm ones, are re-scored at the current length, and the top
 ones are kept so that the cache holds ⌈ρ·n⌉ tokens for the n seen so far, sinks and hot
 tier included, as kvpress counts a compression ratio (capped by ``max_tokens`` /
-``max_bytes``, a fixed-memory budget). Cold blocks are formed once and never re-selected. Different heads keep different
-tokens but always the same count, so K and V stay dense (batch, kv_heads, kept, head_dim)
-tensors.
+``max_bytes``, a fixed-memory budget). Cold blocks are formed once and never re-selected.
+Different heads keep different tokens but always the same count, so K and V stay dense
+(batch, kv_heads, kept, head_dim) tensors.
 
 Attention over the cold tier: with the model's attention switched to the factored
 wrapper (:mod:`curkv_train.runtime.attention`, installed by the constructor for sdpa or

@@ -59,7 +59,7 @@ class Scorer:
     def token_scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Per-token logits (batch, kv_heads, tokens) of arriving tokens' attention inputs (batch, tokens, hidden)."""
         self.estimator.to(hidden.device)
-        return self.estimator.token_scores(hidden[None], layers=torch.tensor([layer], device=hidden.device))[0]
+        return self.estimator.token_scores(hidden[None], layers=layer_index(layer, hidden.device))[0]
 
     def prefill_inputs(self, model: PreTrainedModel, layer: int, hidden_states: torch.Tensor,
                        positions: torch.Tensor) -> dict:
@@ -104,9 +104,8 @@ class Scorer:
             raise CurKVError(f"a {self.family} scorer needs each token's stored score (from its hidden state) for "
                              f"layer {layer}; none was recorded")
         self.estimator.to(keys.device)
-        layers = torch.arange(layer, layer + 1, device=keys.device)  # made on the device: no host-to-device copy
-        return self.layer_logits(model, attention_module(model, layer), layers, keys, values, positions, end,
-                                 observation, token_scores)
+        return self.layer_logits(model, attention_module(model, layer), layer_index(layer, keys.device), keys, values,
+                                 positions, end, observation, token_scores)
 
     def layer_logits(self, model: PreTrainedModel, module: nn.Module, layers: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, positions: torch.Tensor, end: int, observation: Observation | None,
@@ -133,3 +132,8 @@ class Scorer:
         copy = replace(self)
         copy.layer_logits = torch.compile(copy.layer_logits, dynamic=True)
         return copy
+
+
+def layer_index(layer: int, device: torch.device) -> torch.Tensor:
+    """(1,) the estimator's index tensor for ``layer``, made on ``device`` (a copy from the host would wait for it)."""
+    return torch.arange(layer, layer + 1, device=device)
