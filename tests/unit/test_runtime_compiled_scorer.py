@@ -1,5 +1,7 @@
 """Scorer.compiled(): the eager scorer's logits through torch.compile, one graph for every layer and length."""
 
+import shutil
+
 import pytest
 import torch
 import torch._dynamo
@@ -7,7 +9,11 @@ import torch._dynamo
 from curkv_train.runtime import CurKVCache
 from runtime_helpers import family_scorer
 
-pytestmark = pytest.mark.integration  # compiling takes tens of seconds on a CPU
+pytestmark = [
+    pytest.mark.integration,  # compiling takes tens of seconds on a CPU
+    pytest.mark.skipif(not any(shutil.which(name) for name in ("g++", "c++", "clang++")),
+                       reason="torch.compile on a CPU needs a C++ compiler"),
+]
 
 
 def layer_inputs(scorer, model, layer: int, tokens: int, seed: int) -> dict:
