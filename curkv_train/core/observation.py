@@ -64,6 +64,11 @@ class QueryStatistics:
         """Bytes held."""
         return sum(t.numel() * t.element_size() for t in (self.total, self.outer) if t is not None)
 
+    @staticmethod
+    def nbytes_for(heads: int, head_dim: int) -> int:
+        """Bytes the statistics of ``heads`` query heads of ``head_dim`` hold once filled (batch 1)."""
+        return heads * (head_dim + head_dim * (head_dim + 1) // 2) * 4
+
     def map_batch(self, fn) -> None:
         """Apply a batch-dimension operation to the sums."""
         if self.total is not None:

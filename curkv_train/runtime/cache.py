@@ -53,6 +53,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from curkv_train.errors import CurKVError
+from curkv_train.core.observation import QueryStatistics
 from curkv_train.core.selection import (
     ADAPTIVE,
     check_keep_ratio,
@@ -572,8 +573,7 @@ class CurKVCache(Cache):
         if not window:
             return 0
         element = torch.empty((), dtype=self.model.dtype).element_size()
-        packed_outer = shape.head_dim * (shape.head_dim + 1) // 2
-        moments = shape.num_attention_heads * (shape.head_dim + packed_outer) * 4
+        moments = QueryStatistics.nbytes_for(shape.num_attention_heads, shape.head_dim)
         return shape.num_layers * (window * shape.hidden_size * element + moments)
 
     def tokens_within(self, max_bytes: int) -> int:
