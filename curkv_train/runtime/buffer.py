@@ -22,7 +22,7 @@ class AppendBuffer:
         tensor: the initial content; its size along ``dim`` is the token count.
         dim: the token dimension (negative, counted from the end).
         headroom: tokens an append that has to reallocate makes room for, itself included (the cache's
-            compression interval: the tokens that arrive before a compression replaces the tensor).
+            window: a compression replaces the tensor every one or few windows).
     """
 
     def __init__(self, tensor: torch.Tensor, dim: int, headroom: int) -> None:

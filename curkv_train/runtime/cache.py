@@ -209,8 +209,9 @@ class CurKVLayer(CacheLayerMixin):
     token_scores = buffered("token_scores", -1)
 
     def __init__(self, layer_idx: int, settings: TierSettings, score_fn: ScoreFn, observer: ObservationBuffer) -> None:
-        # Room for the tokens that arrive between two compressions: decoding appends in place.
-        self.buffer_headroom = settings.interval
+        # Decoding appends in place, into room for a window of tokens at a time: a compression interval's
+        # room (2 windows) would sit half empty on average, counted as held (one extra copy per interval).
+        self.buffer_headroom = settings.window
         super().__init__()
         self.layer_idx, self.settings, self.score_fn, self.observer = layer_idx, settings, score_fn, observer
         self.positions: torch.Tensor | None = None

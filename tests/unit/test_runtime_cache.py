@@ -186,6 +186,21 @@ def test_decoding_compresses_once_per_interval(model, scorer, compress_every):
     assert max(held) <= cache.token_bound(0)
 
 
+def test_decoding_allocates_less_than_a_window_of_unused_room(model, scorer):
+    """The dense tensors grow a window at a time: their unused room, counted as held, stays below one window
+    (room for a whole compression interval would sit up to 2·WINDOW − 1 tokens empty)."""
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compress_every=2, backend="torch")
+    unused = []
+
+    def on_step():
+        keys = cache.layers[0].keys
+        unused.append(keys.stride(1) // keys.stride(2) - keys.shape[-2])  # room allocated along tokens, unused
+
+    decode(model, prompt(200), cache, 6 * WINDOW, on_step)
+    assert 0 <= min(unused) and max(unused) == WINDOW - 1
+    assert cache.nbytes() == held_tensor_bytes(cache)
+
+
 def test_token_budget_bounds_memory_for_long_generation(model, scorer):
     budget = N_SINK + 3 * WINDOW + WINDOW - 1 + 40
     cache = CurKVCache(scorer, model=model, keep_ratio=0.5, max_tokens=budget, backend="torch")
