@@ -86,13 +86,15 @@ def window_attention(model: PreTrainedModel, queries: torch.Tensor, keys: torch.
     batch, kv_heads, tokens, dim = keys.shape
     tables = rotary_tables(model, query_positions, queries)
     rotated = rotate(queries, *tables) if tables is not None else queries
-    grouped = rotated.reshape(batch, kv_heads, -1, rotated.shape[2], dim)
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", grouped, keys) * scale
+    grouped = (rotated * scale).reshape(batch, kv_heads, -1, rotated.shape[2], dim)  # scaled: W·d products, not W·n
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", grouped, keys)
     key_positions = positions.to(keys.device).reshape(*positions.shape[:-1], 1, 1, tokens)  # (..., g, W, n)
     future = key_positions > query_positions.to(keys.device).reshape(-1, 1)
-    probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1).nan_to_num(0.0).mean(dim=3)
-    pooled = F.avg_pool1d(probs.reshape(batch, -1, tokens), pool_kernel, stride=1, padding=pool_kernel // 2)
-    return _log_share(pooled.reshape(batch, kv_heads, -1, tokens).mean(dim=2))
+    # an additive mask: masked_fill with a mask broadcast over the query heads takes several times longer
+    probs = logits.add_(torch.where(future, float("-inf"), 0.0)).softmax(dim=-1).nan_to_num_(0.0)
+    # the mean over the window and the query heads is linear, as the pooling is: take it first, pool g·W times less
+    attention = probs.sum(dim=(2, 3)) / (probs.shape[2] * probs.shape[3])
+    return _log_share(F.avg_pool1d(attention, pool_kernel, stride=1, padding=pool_kernel // 2))
 
 
 def expected_attention(model: PreTrainedModel, statistics: QueryStatistics, keys: torch.Tensor, end: int,

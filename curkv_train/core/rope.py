@@ -24,12 +24,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Invert k' = k·cos + rotate_half(k)·sin (cos, sin may carry an attention scale).
+    """Invert k' = k·cos + rotate_half(k)·sin from the tables of one channel pair each (cos, sin may carry an
+    attention scale).
 
     Args:
-        keys: (..., tokens, head_dim) rotated keys; cos, sin broadcastable to it.
+        keys: (..., tokens, head_dim) rotated keys.
+        cos, sin: (..., tokens, head_dim // 2) :func:`pair_rotary_tables`, broadcastable to half the keys.
     """
-    return (keys * cos - rotate_half(keys) * sin) / (cos * cos + sin * sin)
+    first, second = keys.chunk(2, dim=-1)  # k' = (a·c − b·s, b·c + a·s) for k = (a, b)
+    norm = cos * cos + sin * sin
+    return torch.cat(((first * cos + second * sin) / norm, (second * cos - first * sin) / norm), dim=-1)
 
 
 def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor):
@@ -44,6 +48,26 @@ def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.T
     cos, sin = rotary(like, positions.reshape(1, -1).to(like.device))
     shape = (*positions.shape, cos.shape[-1])
     return cos[0].float().reshape(shape), sin[0].float().reshape(shape)
+
+
+def pair_rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor):
+    """(cos, sin) of shape (*positions.shape, head_dim // 2) float32, one per channel pair (the full tables of
+    :func:`rotary_tables` repeat them twice), or None without RoPE.
+
+    Where the rotary frequencies are fixed (every rope type but dynamic and longrope, which change them
+    with the length in the module's forward), computed from them directly: half the sines and cosines,
+    rounded to ``like``'s dtype as the module rounds them.
+    """
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        return None
+    rope_type = getattr(rotary, "rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":
+        cos, sin = rotary_tables(model, positions, like)
+        return cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    angles = positions.to(like.device).float()[..., None] * rotary.inv_freq.float()
+    scaling = rotary.attention_scaling
+    return ((angles.cos() * scaling).to(like.dtype).float(), (angles.sin() * scaling).to(like.dtype).float())
 
 
 def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor, view: str,
@@ -65,7 +89,7 @@ def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor
     if view == "end_relative":
         last = (int(positions.max()) + 1 if end is None else end) - 1
         positions = torch.tensor([last], device=keys.device)
-    tables = rotary_tables(model, positions, keys)
+    tables = pair_rotary_tables(model, positions, keys)
     if tables is None:
         return keys.float()
     cos, sin = tables

@@ -1,0 +1,42 @@
+"""RoPE helpers against transformers' own rotary module, for every kind of rope scaling."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from curkv_train.core.rope import key_view, pair_rotary_tables, rotary_tables, rotate
+from curkv_train.models.base import tiny_llama_config
+
+ROPES = [None, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+         {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 256},
+         {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}]
+
+
+def llama(rope: dict | None, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    config = tiny_llama_config()
+    config.max_position_embeddings = 512
+    if rope is not None:
+        config.rope_parameters = rope
+    return LlamaForCausalLM(config).to(dtype)
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=lambda rope: "default" if rope is None else rope["rope_type"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_tables_are_the_first_half_of_the_modules_tables(rope, dtype):
+    model = llama(rope, dtype)
+    positions = torch.randint(0, 2000, (1, 2, 50))  # past the original length: dynamic rescales
+    like = torch.zeros(1, dtype=dtype)
+    cos, sin = rotary_tables(model, positions, like)
+    pair_cos, pair_sin = pair_rotary_tables(model, positions, like)
+    assert pair_cos.shape == (1, 2, 50, 8)
+    torch.testing.assert_close(pair_cos, cos[..., :8], rtol=0, atol=0)
+    torch.testing.assert_close(pair_sin, sin[..., :8], rtol=0, atol=0)
+    torch.testing.assert_close(cos[..., 8:], cos[..., :8])  # what pairing relies on
+
+
+@pytest.mark.parametrize("rope", ROPES[:3], ids=["default", "linear", "yarn"])
+def test_pre_rope_view_undoes_the_rotation_of_each_key(rope):
+    model = llama(rope)
+    keys, positions = torch.randn(1, 2, 30, 16), torch.randint(0, 400, (1, 2, 30))
+    rotated = rotate(keys, *rotary_tables(model, positions, keys))
+    torch.testing.assert_close(key_view(model, rotated, positions, "pre_rope"), keys, atol=1e-5, rtol=1e-5)
