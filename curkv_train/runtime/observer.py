@@ -68,8 +68,14 @@ class ObservationBuffer:
         else:
             self.unfolded += new
         kept = min(new, self.window)
-        slots = torch.arange(start + new - kept, start + new, device=queries.device) % self.window
-        self.ring.index_copy_(2, slots, queries[:, :, new - kept:].to(self.ring.dtype))
+        newest = queries[:, :, new - kept:]
+        # the slots of positions start + new − kept, ... are one run of the ring or two (wrapping past its end);
+        # copied by slices, a decode step's query is one operator, not a slot index built on the device
+        first = (start + new - kept) % self.window
+        head = min(kept, self.window - first)
+        self.ring.narrow(2, first, head).copy_(newest[:, :, :head])
+        if kept > head:
+            self.ring.narrow(2, 0, kept - head).copy_(newest[:, :, head:])
         self.seen = start + new
         if self.unfolded == self.window:
             self._fold()
