@@ -17,7 +17,9 @@ def llama(rope: dict | None, dtype: torch.dtype = torch.float32) -> LlamaForCaus
     config.max_position_embeddings = 512
     if rope is not None:
         config.rope_parameters = rope
-    return LlamaForCausalLM(config).to(dtype)
+    model = LlamaForCausalLM(config).to(dtype)
+    assert model.model.rotary_emb.rope_type == (rope or {}).get("rope_type", "default")  # the config took it
+    return model
 
 
 @pytest.mark.parametrize("rope", ROPES, ids=lambda rope: "default" if rope is None else rope["rope_type"])
