@@ -38,8 +38,9 @@ class Stage:
         compress_every: windows between two streaming rounds (the cache's compression interval).
         recent_share: share of each streaming round's kept places given to the newest tokens (the
             cache's ``recent_share``).
-        count_protected: whether sinks and hot tier count inside ρ in streaming rounds (default True,
-            as CurKVCache counts them; False reproduces scorers trained before 2026-12-04).
+        count_protected: whether sinks and hot tier count inside ρ in streaming rounds (unset: the
+            model's setting, True by default, as CurKVCache counts them; False reproduces scorers
+            trained before 2026-12-04).
     """
 
     steps: int
