@@ -22,9 +22,10 @@ from curkv_train.core.shapes import kv_shape
 from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, resolve_model_source, tiny_llama_config
 from curkv_train.models.estimators import build_estimator
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import model_fingerprint, save_scorer
-from curkv_train.system import SETTINGS_KEY
+from curkv_train.system import LAYER_BUDGET_KEY, SETTINGS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +191,14 @@ def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool
     sampled = (last_stage(checkpoint) or {}).get("compression_range")
     if sampled:  # one ratio drawn per step: the last draw says nothing, the range's middle does
         last_step["keep_ratio"] = 1.0 - sum(sampled) / 2
+    budget = checkpoint.get(LAYER_BUDGET_KEY)  # trained under a layer budget: the scorer runs with it
     scorer = Scorer(restore_estimator(checkpoint, config), key_view=hp.get("key_view", "pre_rope"),
                     n_sink=hp.get("n_sink", 4), window=hp.get("window", 64),
-                    keep_ratio=last_step["keep_ratio"], temperature=last_step["temperature"])
+                    keep_ratio=last_step["keep_ratio"], temperature=last_step["temperature"],
+                    layer_budget=None if budget is None else LayerBudget.from_record(budget))
     extra = {"name": out.name, "training": training_record(ckpt, checkpoint), "metrics": run_metrics(ckpt, checkpoint)}
+    if budget is not None:
+        extra["layer_budget"] = budget
     written = save_scorer(scorer, out, base_model=model_id, fingerprint=model_fingerprint(config), extra=extra,
                           overwrite=overwrite)
     print(f"exported {ckpt} -> {written}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,12 +93,26 @@ def hard_keep_mask(logits: torch.Tensor, keep_ratio: float) -> torch.Tensor:
     return mask
 
 
+KeepRatio = float | Sequence[float]
+
+
+def _layer_by_layer(keep_ratio: Sequence[float],
+                    bias_of_layer: Callable[[slice, float], tuple[torch.Tensor, torch.Tensor]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bias, scores) of every layer at its own keep ratio, concatenated along the layer dim.
+
+    ``bias_of_layer(layers, ratio)`` computes one layer's pair from the ``layers`` slice of its inputs.
+    """
+    parts = [bias_of_layer(slice(layer, layer + 1), float(ratio)) for layer, ratio in enumerate(keep_ratio)]
+    return torch.cat([bias for bias, _ in parts]), torch.cat([scores for _, scores in parts])
+
+
 def keep_bias(
     logits: torch.Tensor,
     compressible: torch.Tensor,
     *,
     temperature: float,
-    keep_ratio: float,
+    keep_ratio: KeepRatio,
     hard: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention biases on context keys from estimator logits.
@@ -105,6 +120,7 @@ def keep_bias(
     Args:
         logits: (layers, batch, kv_heads, context) estimator logits z.
         compressible: (context,) bool mask of compressible tokens.
+        keep_ratio: ρ for every layer, or one ρ_l per layer (a layer budget's split).
 
     Returns:
         (bias, scores): bias (layers, batch, kv_heads, context) = log keep weight on
@@ -113,6 +129,9 @@ def keep_bias(
         the top-⌈ρ·n⌉ tokens and gradients pass straight through to the soft scores.
         With ρ = 1 nothing is compressed and the bias is 0.
     """
+    if isinstance(keep_ratio, Sequence):
+        return _layer_by_layer(keep_ratio, lambda layers, ratio: keep_bias(
+            logits[layers], compressible, temperature=temperature, keep_ratio=ratio, hard=hard))
     scores = torch.sigmoid(logits[..., compressible] / temperature)
     bias = torch.zeros_like(logits)
     if keep_ratio >= 1.0:
@@ -132,7 +151,7 @@ def streaming_ends(context_length: int, rounds: int, stride: int) -> list[int]:
 
 
 def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_sink: int, hot: int,
-                        temperature: float, keep_ratio: float, hard: bool,
+                        temperature: float, keep_ratio: KeepRatio, hard: bool,
                         recent_share: float = 0.0, count_protected: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention biases of a context compressed in rounds, as CurKVCache compresses it while it grows.
 
@@ -149,11 +168,16 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
         round_logits: per round, (layers, batch, kv_heads, e_r) logits scored at end e_r.
         ends: the rounds' ends, increasing; the last is the context length.
         hot: tokens before each end that are protected (the cache's hot tier).
+        keep_ratio: ρ for every layer, or one ρ_l per layer (a layer budget's split).
 
     Returns:
         (bias (layers, batch, kv_heads, context), scores (layers, batch, kv_heads, n) = σ(z/T) of
         the last round on its n competing positions, for the budget term).
     """
+    if isinstance(keep_ratio, Sequence):
+        return _layer_by_layer(keep_ratio, lambda layers, ratio: streaming_keep_bias(
+            [logits[layers] for logits in round_logits], ends, n_sink=n_sink, hot=hot, temperature=temperature,
+            keep_ratio=ratio, hard=hard, recent_share=recent_share, count_protected=count_protected))
     context = ends[-1]
     bias = torch.zeros(*round_logits[-1].shape[:-1], context, device=round_logits[-1].device)
     alive = torch.ones_like(bias, dtype=torch.bool)
@@ -202,9 +226,9 @@ class BudgetController(nn.Module):
         self.mode, self.dual_lr = mode, dual_lr
         self.register_buffer("multipliers", torch.zeros(num_layers, num_kv_heads))
 
-    def forward(self, mean_keep: torch.Tensor, keep_ratio: float, weight: float) -> torch.Tensor:
-        """Penalty for ``mean_keep`` (layers, kv_heads) against ``keep_ratio``."""
-        gap = mean_keep - keep_ratio
+    def forward(self, mean_keep: torch.Tensor, keep_ratio: KeepRatio, weight: float) -> torch.Tensor:
+        """Penalty for ``mean_keep`` (layers, kv_heads) against ``keep_ratio`` (ρ, or ρ_l per layer)."""
+        gap = mean_keep - _per_layer(keep_ratio, mean_keep)
         if self.mode == "two_sided":
             return weight * gap.abs().mean()
         if self.mode == "hinge":
@@ -212,10 +236,17 @@ class BudgetController(nn.Module):
         return (self.multipliers * gap).mean()
 
     @torch.no_grad()
-    def dual_step(self, mean_keep: torch.Tensor, keep_ratio: float) -> None:
-        """Dual ascent: raise ν where the mean keep is above ρ, lower it where below."""
+    def dual_step(self, mean_keep: torch.Tensor, keep_ratio: KeepRatio) -> None:
+        """Dual ascent: raise ν where the mean keep is above ρ (ρ_l), lower it where below."""
         if self.mode == "lagrange":
-            self.multipliers.add_(self.dual_lr * (mean_keep.detach() - keep_ratio))
+            self.multipliers.add_(self.dual_lr * (mean_keep.detach() - _per_layer(keep_ratio, mean_keep)))
+
+
+def _per_layer(keep_ratio: KeepRatio, mean_keep: torch.Tensor) -> torch.Tensor | float:
+    """``keep_ratio`` broadcastable against ``mean_keep`` (layers, kv_heads): ρ, or a (layers, 1) column of ρ_l."""
+    if isinstance(keep_ratio, Sequence):
+        return torch.tensor(keep_ratio, dtype=mean_keep.dtype, device=mean_keep.device)[:, None]
+    return keep_ratio
 
 
 def dense_loss(logits: torch.Tensor, target: torch.Tensor, compressible: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,15 @@ from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.models.capture import (ContextCapture, continue_from, estimator_inputs, prefill_context,
                                         reconstruction_target)
 from curkv_train.models.estimators import build_estimator, check_family
-from curkv_train.objective import (BudgetController, TrainingSettings, chunked_kl, dense_loss, keep_bias,
+from curkv_train.objective import (BudgetController, KeepRatio, TrainingSettings, chunked_kl, dense_loss, keep_bias,
                                    streaming_ends, streaming_keep_bias)
 from curkv_train.reconstruction import RECONSTRUCTION_PROMPT
+from curkv_train.runtime.allocation import LayerBudget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BASE_INITS = ("every_rank", "rank_zero")
 SETTINGS_KEY = "curkv_training_settings"
+LAYER_BUDGET_KEY = "curkv_layer_budget"
 
 
 class CurKVModule(L.LightningModule):
@@ -63,6 +65,9 @@ class CurKVModule(L.LightningModule):
             rank 0's weights while sharding; FSDP only).
         init_scorer: an exported scorer folder (``checkpoints/NAME``) whose weights start the
             estimator (curriculum fine-tuning); its base-model fingerprint must match.
+        layer_budget: an exported scorer folder whose calibrated layer budget (``curkv-train calibrate``)
+            splits every step's ρ across layers, as CurKVCache and the evaluation split it at inference
+            (None: every layer at ρ). The export carries the budget trained under.
     """
 
     def __init__(self, base_model: str = "tiny-random-llama", base_fallback: str | None = None,
@@ -72,7 +77,7 @@ class CurKVModule(L.LightningModule):
                  dual_lr: float = 0.05, hidden_mse_weight: float = 0.0, dense_weight: float = 0.0,
                  kl_chunk_size: int = 64, key_view: str = "pre_rope", backend: str = "auto",
                  learning_rate: float = 1e-3, weight_decay: float = 0.0, base_init: str = "every_rank",
-                 init_scorer: str | None = None) -> None:
+                 init_scorer: str | None = None, layer_budget: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_keep_ratio(keep_ratio)
@@ -85,6 +90,7 @@ class CurKVModule(L.LightningModule):
         self.base = None
         self.estimator = None
         self.budget: BudgetController | None = None
+        self.layer_budget: LayerBudget | None = None
         self.reconstruction_prompt: torch.Tensor | None = None
         self.strict_loading = False  # checkpoints hold the estimator only, never the frozen base
         self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in ("kl_soft", "kl_hard", "kl_recent")})
@@ -108,6 +114,8 @@ class CurKVModule(L.LightningModule):
         self.budget = BudgetController(shape.num_layers, shape.num_kv_heads, mode=hp.budget_mode, dual_lr=hp.dual_lr)
         if hp.init_scorer:
             self.load_init_scorer(hp.init_scorer)
+        if hp.layer_budget:
+            self.layer_budget = self.load_layer_budget(hp.layer_budget)
 
     def load_base(self):
         """The frozen base per ``base_init``: loaded here, or (rank_zero, rank > 0) an empty meta skeleton."""
@@ -136,6 +144,20 @@ class CurKVModule(L.LightningModule):
         with torch.no_grad():
             for name, tensor in scorer.estimator.state_dict().items():
                 self.estimator.state_dict()[name].copy_(tensor)
+
+    def load_layer_budget(self, path: str) -> LayerBudget:
+        """The calibrated layer budget of an exported scorer for this base; a one-line error if it has none."""
+        from curkv_train.runtime import load_scorer
+
+        budget = load_scorer(path, model=self.base).layer_budget
+        if budget is None:
+            raise CurKVError(f"scorer {path} has no layer budget: run curkv-train calibrate --scorer {path} first, "
+                             "or drop model.layer_budget")
+        return budget
+
+    def layer_ratios(self, keep_ratio: float) -> KeepRatio:
+        """ρ for every layer, or with a layer budget its split into ρ_l per layer (mean ρ)."""
+        return keep_ratio if self.layer_budget is None else self.layer_budget.ratios(keep_ratio)
 
     def capture_context(self, input_ids: torch.Tensor, context_length: int) -> ContextCapture:
         """Prefill the context without grad, recording the attention inputs if the estimator family reads them.
@@ -182,12 +204,12 @@ class CurKVModule(L.LightningModule):
             bias, scores = self.streaming_bias(capture, logits, settings)
         else:
             bias, scores = keep_bias(logits, compressible, temperature=settings.temperature,
-                                     keep_ratio=settings.keep_ratio, hard=settings.hard_topk)
+                                     keep_ratio=self.layer_ratios(settings.keep_ratio), hard=settings.hard_topk)
         student = self.student_hidden(capture, continuation, bias)
         kl = chunked_kl(teacher, student, self.base.get_output_embeddings(), hp.kl_chunk_size)
         mean_keep = scores.mean(dim=(1, 3))
-        budget = (self.budget(mean_keep, settings.keep_ratio, settings.budget_weight) if settings.keep_ratio < 1
-                  else kl.new_zeros(()))
+        budget = (self.budget(mean_keep, self.layer_ratios(settings.keep_ratio), settings.budget_weight)
+                  if settings.keep_ratio < 1 else kl.new_zeros(()))
         mse = F.mse_loss(student.float(), teacher.float()) if hp.hidden_mse_weight else kl.new_zeros(())
         dense = dense_loss(logits, target, compressible) if target is not None else kl.new_zeros(())
         loss = kl + budget + hp.hidden_mse_weight * mse + hp.dense_weight * dense
@@ -203,7 +225,7 @@ class CurKVModule(L.LightningModule):
         round_logits = [self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view, end=end))
                         for end in ends[:-1]] + [logits]
         return streaming_keep_bias(round_logits, ends, n_sink=hp.n_sink, hot=settings.hot_windows * hp.window,
-                                   temperature=settings.temperature, keep_ratio=settings.keep_ratio,
+                                   temperature=settings.temperature, keep_ratio=self.layer_ratios(settings.keep_ratio),
                                    hard=settings.hard_topk, recent_share=settings.recent_share,
                                    count_protected=settings.count_protected)
 
@@ -243,7 +265,7 @@ class CurKVModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if self._last_mean_keep is not None:
-            self.budget.dual_step(self._last_mean_keep, self.settings.keep_ratio)
+            self.budget.dual_step(self._last_mean_keep, self.layer_ratios(self.settings.keep_ratio))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """KL at the recipe's target ratio (not the curriculum's current one, so checks compare)."""
@@ -262,9 +284,10 @@ class CurKVModule(L.LightningModule):
 
     def recent_window_kl(self, capture: ContextCapture, continuation: torch.Tensor, teacher: torch.Tensor,
                          keep_ratio: float) -> torch.Tensor:
-        """KL of keeping the most recent ⌈ρ·n⌉ compressible tokens (StreamingLLM), for reference."""
+        """KL of keeping the most recent ⌈ρ·n⌉ compressible tokens (StreamingLLM; ρ_l under a layer budget)."""
         recency = capture.positions.float().expand_as(capture.values[..., 0])
-        bias, _ = keep_bias(recency, self.compressible(capture), temperature=1.0, keep_ratio=keep_ratio, hard=True)
+        bias, _ = keep_bias(recency, self.compressible(capture), temperature=1.0,
+                            keep_ratio=self.layer_ratios(keep_ratio), hard=True)
         student = self.student_hidden(capture, continuation, bias)
         return chunked_kl(teacher, student, self.base.get_output_embeddings(), self.hparams.kl_chunk_size)
 
@@ -280,12 +303,14 @@ class CurKVModule(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep only the estimator and budget state, and the settings of the last step.
+        """Keep only the estimator and budget state, the settings of the last step and the layer budget.
 
         Exception: FSDP sharded checkpoints keep the base's shards, because Lightning resumes
         them through torch.distributed.checkpoint, which needs every key of the model.
         """
         checkpoint[SETTINGS_KEY] = dataclasses.asdict(self.settings)
+        if self.layer_budget is not None:  # the numbers, and the scorer whose scorer.json says how they were measured
+            checkpoint[LAYER_BUDGET_KEY] = {**self.layer_budget.record(), "source": self.hparams.layer_budget}
         if self._trainer is not None and saves_sharded_checkpoints(self.trainer.strategy):
             return
         checkpoint["state_dict"] = {key: value for key, value in checkpoint["state_dict"].items()
