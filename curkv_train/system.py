@@ -199,17 +199,17 @@ class CurKVModule(L.LightningModule):
         """
         hp = self.hparams
         logits = self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view))
-        compressible = self.compressible(capture)
+        compressible, ratios = self.compressible(capture), self.layer_ratios(settings.keep_ratio)
         if settings.streaming_rounds:
             bias, scores = self.streaming_bias(capture, logits, settings)
         else:
-            bias, scores = keep_bias(logits, compressible, temperature=settings.temperature,
-                                     keep_ratio=self.layer_ratios(settings.keep_ratio), hard=settings.hard_topk)
+            bias, scores = keep_bias(logits, compressible, temperature=settings.temperature, keep_ratio=ratios,
+                                     hard=settings.hard_topk)
         student = self.student_hidden(capture, continuation, bias)
         kl = chunked_kl(teacher, student, self.base.get_output_embeddings(), hp.kl_chunk_size)
         mean_keep = scores.mean(dim=(1, 3))
-        budget = (self.budget(mean_keep, self.layer_ratios(settings.keep_ratio), settings.budget_weight)
-                  if settings.keep_ratio < 1 else kl.new_zeros(()))
+        budget = (self.budget(mean_keep, ratios, settings.budget_weight) if settings.keep_ratio < 1
+                  else kl.new_zeros(()))
         mse = F.mse_loss(student.float(), teacher.float()) if hp.hidden_mse_weight else kl.new_zeros(())
         dense = dense_loss(logits, target, compressible) if target is not None else kl.new_zeros(())
         loss = kl + budget + hp.hidden_mse_weight * mse + hp.dense_weight * dense
