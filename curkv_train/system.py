@@ -201,7 +201,7 @@ class CurKVModule(L.LightningModule):
         logits = self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view))
         compressible, ratios = self.compressible(capture), self.layer_ratios(settings.keep_ratio)
         if settings.streaming_rounds:
-            bias, scores = self.streaming_bias(capture, logits, settings)
+            bias, scores = self.streaming_bias(capture, logits, settings, ratios)
         else:
             bias, scores = keep_bias(logits, compressible, temperature=settings.temperature, keep_ratio=ratios,
                                      hard=settings.hard_topk)
@@ -216,18 +216,18 @@ class CurKVModule(L.LightningModule):
         return {"loss": loss, "kl": kl, "budget": budget, "hidden_mse": mse, "dense": dense, "mean_keep": mean_keep,
                 "scores": scores.detach()}
 
-    def streaming_bias(self, capture: ContextCapture, logits: torch.Tensor,
-                       settings: TrainingSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    def streaming_bias(self, capture: ContextCapture, logits: torch.Tensor, settings: TrainingSettings,
+                       ratios: KeepRatio) -> tuple[torch.Tensor, torch.Tensor]:
         """Biases of the context compressed in ``settings.streaming_rounds`` rounds ``compress_every`` windows apart,
-        each scored at its own end (:func:`~curkv_train.objective.streaming_keep_bias`); ``logits`` are the last's."""
+        each scored at its own end (:func:`~curkv_train.objective.streaming_keep_bias`) and kept at ``ratios``
+        (:meth:`layer_ratios` of the step's ρ); ``logits`` are the last round's."""
         hp = self.hparams
         ends = streaming_ends(capture.context_length, settings.streaming_rounds, settings.compress_every * hp.window)
         round_logits = [self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view, end=end))
                         for end in ends[:-1]] + [logits]
         return streaming_keep_bias(round_logits, ends, n_sink=hp.n_sink, hot=settings.hot_windows * hp.window,
-                                   temperature=settings.temperature, keep_ratio=self.layer_ratios(settings.keep_ratio),
-                                   hard=settings.hard_topk, recent_share=settings.recent_share,
-                                   count_protected=settings.count_protected)
+                                   temperature=settings.temperature, keep_ratio=ratios, hard=settings.hard_topk,
+                                   recent_share=settings.recent_share, count_protected=settings.count_protected)
 
     def warm_start_loss(self, capture: ContextCapture, target: torch.Tensor) -> torch.Tensor:
         """The dense ranking term alone (warm start: no continuation, no backward through the LLM)."""
