@@ -1,7 +1,7 @@
 """What scoring costs at prefill: a CurKVCache prefill vs a plain DynamicCache prefill, in one process.
 
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
-       [--contexts 1024,4096] [--repeats 3] [--threads 2] [--device cpu] [--dtype float32]
+       [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
        [--random-weights] [--layers N] [--compile]
 
 ``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
@@ -10,6 +10,8 @@ config alone (``--base`` may then be a folder holding only a config.json, e.g. L
 ``--layers N`` keeps its first N layers: the shares are per layer, so a few layers of a large
 model give its shares without its weights. For each context length: the median time
 of a plain prefill (DynamicCache), and of a prefill through CurKVCache (keep 0.5, no cold tier),
+both computing the logits of the last token only (``logits_to_keep=1``, as ``generate`` does; kvpress's
+pipeline runs the base model without its head): the prefill a user's generation pays,
 split into what the cache adds: observing (the hooks' recording of queries / hidden states and
 the query statistics), scoring (features + estimator, ``CurKVCache._score``) and selecting
 (top-k and compaction, the rest of ``CurKVLayer._evict``). Prints each as a share of the plain
@@ -76,41 +78,52 @@ def make_scorer(spec: str, model) -> Scorer:
     return load_scorer(spec, model=model)
 
 
-def median_seconds(run: Callable[[], None], repeats: int) -> float:
-    """Median wall time of ``run()`` over ``repeats`` calls after one warm-up; TIMERS hold the last call's."""
+def seconds(run: Callable[[], None]) -> float:
+    """Wall time of one ``run()`` (GPU work included)."""
+    start = clock()
     run()
-    times = []
-    for _ in range(repeats):
-        TIMERS.clear()
-        start = clock()
-        run()
-        times.append(clock() - start)
-    return sorted(times)[len(times) // 2]
+    return clock() - start
+
+
+def median(values: list[float]) -> float:
+    """The middle value (upper middle for an even count)."""
+    return sorted(values)[len(values) // 2]
 
 
 def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
-    """Plain and CurKVCache prefill times and the cache's parts for one context length."""
+    """Plain and CurKVCache prefill times and the cache's parts for one context length.
+
+    Each of ``repeats`` rounds (after one warm-up round) runs a plain prefill, a CurKVCache prefill and
+    an instrumented one back to back, so drifts of a shared machine hit all three alike; medians over rounds.
+    """
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     ids = ids.to(model.device)
 
     def plain() -> None:
         with torch.no_grad():
-            model(ids, past_key_values=DynamicCache(config=model.config))
+            model(ids, past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
 
     def cached() -> None:
         with torch.no_grad():
-            model(ids, past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False))
+            model(ids, past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False), logits_to_keep=1)
 
-    plain_s = median_seconds(plain, repeats)
-    cached_s = median_seconds(cached, repeats)
-    with instrumented():  # apart: the timers wait for the GPU, which an uninstrumented prefill overlaps
-        median_seconds(cached, 1)
-    parts = {"observe": TIMERS["observe"], "score": TIMERS["score"], "select": TIMERS["evict"] - TIMERS["score"]}
+    rounds = []
+    for _ in range(repeats + 1):
+        plain_s, cached_s = seconds(plain), seconds(cached)
+        TIMERS.clear()
+        with instrumented():  # apart: the timers wait for the GPU, which an uninstrumented prefill overlaps
+            cached()
+        parts = {"observe": TIMERS["observe"], "score": TIMERS["score"], "select": TIMERS["evict"] - TIMERS["score"]}
+        rounds.append({"plain": plain_s, "cached": cached_s, **parts})
+    rounds = rounds[1:]  # the warm-up round
+    plain_s = median([r["plain"] for r in rounds])
+    parts = {k: median([r[k] for r in rounds]) for k in ("observe", "score", "select")}
     return {"context": context, "family": scorer.family, "device": str(model.device), "dtype": str(model.dtype),
-            "layers": model.config.num_hidden_layers, "plain_prefill_s": round(plain_s, 4),
-            "cache_prefill_s": round(cached_s, 4), **{f"{k}_s": round(v, 4) for k, v in parts.items()},
-            **{f"{k}_share": round(v / plain_s, 4) for k, v in parts.items()},
-            "overhead_share": round(cached_s / plain_s - 1, 4)}
+            "layers": model.config.num_hidden_layers, "rounds": repeats, "plain_prefill_s": round(plain_s, 4),
+            "cache_prefill_s": round(median([r["cached"] for r in rounds]), 4),
+            **{f"{k}_s": round(v, 4) for k, v in parts.items()},
+            **{f"{k}_share": round(median([r[k] / r["plain"] for r in rounds]), 4) for k in parts},
+            "overhead_share": round(median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
 def main() -> None:
@@ -118,7 +131,7 @@ def main() -> None:
     parser.add_argument("--base", default="embedded:smollm2-135m-instruct")
     parser.add_argument("--scorer", default="smollm2-135m")
     parser.add_argument("--contexts", default="1024,4096")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="measured rounds (after a warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -104,12 +104,13 @@ def average_rotation(model: PreTrainedModel | None, start: int, count: int, head
 
     RoPE at position p maps x to cos_p·x + sin_p·rotate_half(x) = (diag(cos_p) + diag(sin_p)·P)·x,
     so the average is diag(mean cos) + diag(mean sin)·P. Identity without rotary embeddings.
+    The tables are :func:`pair_rotary_tables` (one per channel pair, repeated for both halves).
     """
     eye = torch.eye(head_dim, device=like.device)
     positions = torch.arange(start, start + count, device=like.device)  # made there: no blocking host copy
-    tables = None if model is None else rotary_tables(model, positions, like)
+    tables = None if model is None else pair_rotary_tables(model, positions, like)
     if tables is None:
         return eye
-    cos, sin = tables
+    cos, sin = (table.mean(dim=0).repeat(2) for table in tables)
     companion = rotate_half(eye).T  # P with P @ x == rotate_half(x)
-    return torch.diag(cos.mean(dim=0)) + torch.diag(sin.mean(dim=0)) @ companion
+    return torch.diag(cos) + torch.diag(sin) @ companion

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from curkv_train.core.rope import key_view, pair_rotary_tables, rotary_tables, rotate
+from curkv_train.core.rope import average_rotation, key_view, pair_rotary_tables, rotary_tables, rotate
 from curkv_train.models.base import tiny_llama_config
 
 ROPES = [None, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
@@ -42,3 +42,12 @@ def test_pre_rope_view_undoes_the_rotation_of_each_key(rope):
     keys, positions = torch.randn(1, 2, 30, 16), torch.randint(0, 400, (1, 2, 30))
     rotated = rotate(keys, *rotary_tables(model, positions, keys))
     torch.testing.assert_close(key_view(model, rotated, positions, "pre_rope"), keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=lambda rope: "default" if rope is None else rope["rope_type"])
+def test_average_rotation_is_the_mean_of_the_modules_rotations(rope):
+    model = llama(rope)
+    queries = torch.randn(5, 16)
+    cos, sin = rotary_tables(model, torch.arange(300, 340), queries)  # (40, 16) each
+    expected = (queries[:, None] * cos + rotate(queries[:, None], 0, 1) * sin).mean(dim=1)  # rotate(x, 0, 1) = rotate_half
+    torch.testing.assert_close(queries @ average_rotation(model, 300, 40, 16, queries).T, expected)
