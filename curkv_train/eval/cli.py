@@ -172,20 +172,16 @@ def run_eval(
         budget_baselines: prefill tasks: our baselines' selections follow the main scorer's calibrated
             layer budget too (the allocation without the learned scores; kvpress rows keep one ratio).
     """
+    options = dict(locals())
     if dtype not in DTYPES:
         raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     task_names = check_tasks(list(tasks), valid=ALL_TASKS)
     prefill_tasks = [task for task in task_names if task in TASKS]
     streaming_tasks = [task for task in task_names if task in STREAM_TASKS]
     entries = parse_scorers(scorer)
-    trained = load_trained(entries)
     main = entries[0] if entries else None
-    reference = trained.get(main.method) if main else None
-    reference = reference or next(iter(trained.values()), None)
-    fallback = None if base else scorer_fallback(reference)
-    base = base or scorer_base(reference) or (DEFAULT_BASE if not trained else None)
-    if base is None:
-        raise CurKVError(f"scorer {scorer!r} does not record its base model; pass --base")
+    trained = load_trained(entries)
+    base, fallback = _resolve_base(scorer, base, trained, main)
     main_trained = trained.get(main.method) if main else None
     n_sink = n_sink if n_sink is not None else (main_trained.n_sink if main_trained else 4)
     window = window if window is not None else (main_trained.window if main_trained else 64)
@@ -198,14 +194,7 @@ def run_eval(
     if prefill_tasks:
         _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths),
                       prefill_tasks)
-    stream = None
-    if streaming_tasks:
-        stream = StreamSettings(memory_settings(list(ratios), budget_tokens, budget_bytes), prefix=stream_prefix,
-                                chunk=stream_chunk, segment=stream_segment, backend=backend, kvpress=kvpress,
-                                seed=seed)
-        stream.check_length(stream_length, None)
-        if stream_documents < 1:
-            raise CurKVError(f"--stream_documents must be at least 1, got {stream_documents}")
+    stream = _stream_settings(options) if streaming_tasks else None
 
     model = load_base_model(base, fallback=fallback, dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(base, fallback=fallback)
@@ -214,12 +203,7 @@ def run_eval(
         check_scorer_fits(loaded, model)
     if budget_baselines:
         settings.baseline_budget = main_budget(scorers[main.method] if main else None)
-    carrier = (scorers[main.method] if main else fresh_scorer("seed", model, base)) if stream is not None else None
-    if stream is not None:
-        stream.check_length(stream_length, getattr(text_config(model.config), "max_position_embeddings", None))
-        check_memory(model, scorers, carrier, stream)
-        rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
-        rows = select_rows(rows, list(stream_rows) if stream_rows else None)
+    rows, skipped = _stream_rows(model, scorers, main, base, stream, options) if stream is not None else ({}, [])
     recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
     training = training_hashes(tokenizer, list(recipe.sources))
     progress = lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True)
@@ -229,13 +213,8 @@ def run_eval(
                                           protected=(n_sink, window), passkey_depths=list(passkey_depths),
                                           passkey_lengths=lengths)
                      for task in prefill_tasks}
-    score_functions = build_methods([name for name in method_names if name != CURKV_CACHE], scorers,
-                                    n_sink=n_sink, window=window)
-    cache_methods = ({entry.suffixed(CURKV_CACHE): scorers[entry.method] for entry in entries}
-                     if CURKV_CACHE in method_names else {})
-    ours = main.method if main else CURKV
-    uniform_rows = [name for name in score_functions if name.startswith(CURKV_UNIFORM)]
-    not_baselines = tuple(name for name in [*scorers, *cache_methods, *uniform_rows] if name != ours)
+    score_functions, cache_methods, ours, not_baselines = _prefill_methods(method_names, entries, scorers, main,
+                                                                           n_sink, window)
     results = evaluate(model, task_examples, score_functions, settings, progress=progress, tokenizer=tokenizer,
                        cache_methods=cache_methods, ours=ours, not_baselines=not_baselines)
     if stream is not None:
@@ -245,22 +224,80 @@ def run_eval(
         results["streaming"] = evaluate_streaming(model, documents, rows, stream, skipped, progress=progress,
                                                   main=main.method if main else None)
         results["streaming"]["length"] = stream_length
-    config = {"scorer": scorer, "scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
-              "base": base, "ratios": list(ratios), "tasks": task_names,
-              "methods": [*score_functions, *cache_methods], "context_length": context_length,
-              "continuation_length": continuation_length, "examples": examples, "seed": seed, "n_sink": n_sink,
-              "window": window, "passkey_depths": list(passkey_depths), "passkey_lengths": lengths,
-              "kvpress": kvpress, "kvpress_budget": kvpress_budget, "budget_baselines": budget_baselines,
-              "kvpress_presses": settings.kvpress_presses, "dtype": dtype, "backend": backend, "batch": batch,
-              "stream": {"length": stream_length, "prefix": stream_prefix, "chunk": stream_chunk,
-                         "documents": stream_documents, "segment": stream_segment,
-                         "rows": list(stream_rows) if stream_rows else None,
-                         "budget_tokens": list(budget_tokens or []), "budget_bytes": list(budget_bytes or [])}
-              if streaming_tasks else None,
-              "torch": torch.__version__, "python": platform.python_version(),
-              "data": {"recipe": recipe.origin, "sources": recipe.record(),
-                       "streams": {name: held.record() for name, held in streams.items()}}}
-    return write_run(out, results, config)
+    resolved = {"scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
+                "base": base, "tasks": task_names, "methods": [*score_functions, *cache_methods], "n_sink": n_sink,
+                "window": window, "passkey_lengths": lengths, "kvpress_presses": settings.kvpress_presses,
+                "data": {"recipe": recipe.origin, "sources": recipe.record(),
+                         "streams": {name: held.record() for name, held in streams.items()}}}
+    return write_run(out, results, _run_record(options, resolved, bool(streaming_tasks)))
+
+
+def _resolve_base(scorer: str, base: str | None, trained: dict, main: ScorerEntry | None) -> tuple[str, object]:
+    """The base model to load (given, else the main scorer's, else the default without a trained scorer) and the
+    fallback source for its weights; CurKVError when a trained scorer records none and none is given."""
+    reference = trained.get(main.method) if main else None
+    reference = reference or next(iter(trained.values()), None)
+    fallback = None if base else scorer_fallback(reference)
+    base = base or scorer_base(reference) or (DEFAULT_BASE if not trained else None)
+    if base is None:
+        raise CurKVError(f"scorer {scorer!r} does not record its base model; pass --base")
+    return base, fallback
+
+
+def _stream_settings(options: dict) -> StreamSettings:
+    """The streaming task's settings from :func:`run_eval`'s options, checked (one-line errors)."""
+    stream = StreamSettings(memory_settings(list(options["ratios"]), options["budget_tokens"], options["budget_bytes"]),
+                            prefix=options["stream_prefix"], chunk=options["stream_chunk"],
+                            segment=options["stream_segment"], backend=options["backend"], kvpress=options["kvpress"],
+                            seed=options["seed"])
+    stream.check_length(options["stream_length"], None)
+    if options["stream_documents"] < 1:
+        raise CurKVError(f"--stream_documents must be at least 1, got {options['stream_documents']}")
+    return stream
+
+
+def _stream_rows(model, scorers: dict[str, Scorer], main: ScorerEntry | None, base: str, stream: StreamSettings,
+                 options: dict) -> tuple[dict, list]:
+    """The streaming task's rows (``--stream_rows`` of them) and the ones skipped, after checking the length
+    against the model and the memory the rows would take."""
+    carrier = scorers[main.method] if main else fresh_scorer("seed", model, base)
+    stream.check_length(options["stream_length"], getattr(text_config(model.config), "max_position_embeddings", None))
+    check_memory(model, scorers, carrier, stream)
+    rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
+    return select_rows(rows, list(options["stream_rows"]) if options["stream_rows"] else None), skipped
+
+
+def _prefill_methods(method_names: list[str], entries: list[ScorerEntry], scorers: dict[str, Scorer],
+                     main: ScorerEntry | None, n_sink: int, window: int) -> tuple[dict, dict, str, tuple[str, ...]]:
+    """The prefill tasks' score functions, runtime-cache rows (``curkv_cache``), the row the verdicts are about
+    and the rows that are not baselines of it."""
+    score_functions = build_methods([name for name in method_names if name != CURKV_CACHE], scorers,
+                                    n_sink=n_sink, window=window)
+    cache_methods = ({entry.suffixed(CURKV_CACHE): scorers[entry.method] for entry in entries}
+                     if CURKV_CACHE in method_names else {})
+    ours = main.method if main else CURKV
+    uniform_rows = [name for name in score_functions if name.startswith(CURKV_UNIFORM)]
+    not_baselines = tuple(name for name in [*scorers, *cache_methods, *uniform_rows] if name != ours)
+    return score_functions, cache_methods, ours, not_baselines
+
+
+def _run_record(options: dict, resolved: dict, streaming: bool) -> dict:
+    """results.json's ``config``: the options as given, what was resolved from them, and the software versions."""
+    stream = {"length": options["stream_length"], "prefix": options["stream_prefix"], "chunk": options["stream_chunk"],
+              "documents": options["stream_documents"], "segment": options["stream_segment"],
+              "rows": list(options["stream_rows"]) if options["stream_rows"] else None,
+              "budget_tokens": list(options["budget_tokens"] or []),
+              "budget_bytes": list(options["budget_bytes"] or [])}
+    record = {"scorer": options["scorer"], "scorers": resolved["scorers"], "base": resolved["base"],
+              "ratios": list(options["ratios"]), "tasks": resolved["tasks"], "methods": resolved["methods"]}
+    record.update({key: options[key] for key in ("context_length", "continuation_length", "examples", "seed")})
+    record.update(n_sink=resolved["n_sink"], window=resolved["window"], passkey_depths=list(options["passkey_depths"]),
+                  passkey_lengths=resolved["passkey_lengths"], kvpress=options["kvpress"],
+                  kvpress_budget=options["kvpress_budget"], budget_baselines=options["budget_baselines"],
+                  kvpress_presses=resolved["kvpress_presses"], dtype=options["dtype"], backend=options["backend"],
+                  batch=options["batch"], stream=stream if streaming else None, torch=torch.__version__,
+                  python=platform.python_version(), data=resolved["data"])
+    return record
 
 
 def main_budget(scorer: Scorer | None) -> LayerBudget:
