@@ -59,7 +59,7 @@ from transformers import DynamicCache
 
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime import CurKVCache, load_scorer
-from curkv_train.runtime.cache import CurKVLayer
+from curkv_train.runtime.layer import CurKVLayer
 from timing import TIMERS, timed  # benchmarks/timing.py, beside this script
 
 SETTINGS: dict[str, dict[str, Any]] = {

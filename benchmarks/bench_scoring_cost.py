@@ -37,7 +37,7 @@ from curkv_train.core.shapes import kv_shape
 from curkv_train.models.base import freeze, load_base_model, resolve_model_source
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
-from curkv_train.runtime.cache import CurKVLayer
+from curkv_train.runtime.layer import CurKVLayer
 from timing import TIMERS, clock, timed  # benchmarks/timing.py, beside this script
 
 

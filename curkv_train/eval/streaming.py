@@ -68,7 +68,8 @@ from curkv_train.eval.heldout import (
 from curkv_train.eval.methods import CURKV_UNIFORM
 from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.statistics import Bootstrap, paired_difference, verdict
-from curkv_train.runtime.cache import CurKVCache, TierSettings
+from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.tiers import TierSettings
 from curkv_train.runtime.scorer import Scorer
 
 # task -> the document source kind it reads

@@ -41,7 +41,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from curkv_train.core.observation import attention_modules
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import factored_attention
-from curkv_train.runtime.cache import CurKVCache, CurKVLayer
+from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.layer import CurKVLayer
 
 log = logging.getLogger(__name__)
 

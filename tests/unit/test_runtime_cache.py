@@ -289,7 +289,7 @@ def test_crop_after_compression_is_rejected(model, scorer):
 
 
 def test_adaptive_keep_ratio_thresholds():
-    from curkv_train.runtime.cache import adaptive_keep_ratio
+    from curkv_train.runtime.tiers import adaptive_keep_ratio
 
     assert [adaptive_keep_ratio(n) for n in (10, 1023, 1024, 4096, 4097)] == [1.0, 1.0, 0.5, 0.5, 0.3]
 
