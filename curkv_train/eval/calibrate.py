@@ -30,7 +30,8 @@ from curkv_train.errors import CurKVError
 from curkv_train.eval.cached import plain_cache
 from curkv_train.eval.cli import FloatList
 from curkv_train.eval.scorers import scorer_base, scorer_fallback
-from curkv_train.eval.streaming import StreamRun, stream_document
+from curkv_train.eval.stream_rows import StreamRun
+from curkv_train.eval.streaming import stream_document
 from curkv_train.eval.tasks import DataRecipe
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.allocation import LayerBudget

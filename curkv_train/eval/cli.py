@@ -39,16 +39,9 @@ from curkv_train.eval.scorers import (
     scorer_base,
     scorer_fallback,
 )
-from curkv_train.eval.streaming import (
-    STREAM_TASKS,
-    StreamSettings,
-    check_memory,
-    evaluate_streaming,
-    load_stream_documents,
-    memory_settings,
-    select_rows,
-    stream_methods,
-)
+from curkv_train.eval.stream_documents import STREAM_TASKS, load_stream_documents
+from curkv_train.eval.stream_rows import StreamSettings, check_memory, memory_settings, select_rows, stream_methods
+from curkv_train.eval.streaming import evaluate_streaming
 from curkv_train.eval.tasks import (
     SPAN_CUE,
     TASKS,

@@ -16,7 +16,7 @@ from pathlib import Path
 from curkv_train.errors import CurKVError
 from curkv_train.eval.cli import NameList
 from curkv_train.eval.statistics import Bootstrap, example_sums, paired_difference, verdict
-from curkv_train.eval.streaming import FULL
+from curkv_train.eval.stream_rows import FULL
 from curkv_train.eval.streaming import MAIN_METRIC as STREAM_METRIC
 from curkv_train.eval.tasks import TASKS
 

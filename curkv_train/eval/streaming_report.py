@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from curkv_train.eval.figures import figure_png, finite, signed
-from curkv_train.eval.streaming import FULL, PRESS_PREFIX
+from curkv_train.eval.stream_rows import FULL, PRESS_PREFIX
 
 MAIN = "ppl_increase_pct"
 

@@ -14,28 +14,25 @@ from curkv_train.errors import CurKVError
 from curkv_train.eval.cached import RecencyCache, held_bytes, plain_cache
 from curkv_train.eval.heldout import PYTHON_TEXT, HeldOutDocument, python_text_documents
 from curkv_train.eval.metrics import token_nll
-from curkv_train.eval.streaming import (
+from curkv_train.eval.methods import CURKV_UNIFORM
+from curkv_train.eval.stream_documents import StreamDocument, stream_documents
+from curkv_train.eval.stream_rows import (
     CURKV,
     CURKV_COMPENSATED,
     CURKV_SCORE_ONLY,
-    CURKV_UNIFORM,
     FULL,
     PRESS_PREFIX,
     RECENCY,
     STREAMING_LLM,
-    StreamDocument,
     StreamRun,
     StreamSettings,
     check_memory,
-    evaluate_streaming,
     held_after,
     memory_settings,
-    segment_sums,
     select_rows,
-    stream_document,
-    stream_documents,
     stream_methods,
 )
+from curkv_train.eval.streaming import evaluate_streaming, segment_sums, stream_document
 from curkv_train.runtime import CurKVCache
 
 WINDOW, N_SINK, PREFIX = 16, 4, 120
