@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable
@@ -85,11 +86,6 @@ def seconds(run: Callable[[], None]) -> float:
     return clock() - start
 
 
-def median(values: list[float]) -> float:
-    """The middle value (upper middle for an even count)."""
-    return sorted(values)[len(values) // 2]
-
-
 def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
     """Plain and CurKVCache prefill times and the cache's parts for one context length.
 
@@ -116,14 +112,14 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
         parts = {"observe": TIMERS["observe"], "score": TIMERS["score"], "select": TIMERS["evict"] - TIMERS["score"]}
         rounds.append({"plain": plain_s, "cached": cached_s, **parts})
     rounds = rounds[1:]  # the warm-up round
-    plain_s = median([r["plain"] for r in rounds])
-    parts = {k: median([r[k] for r in rounds]) for k in ("observe", "score", "select")}
+    plain_s = statistics.median([r["plain"] for r in rounds])
+    parts = {k: statistics.median([r[k] for r in rounds]) for k in ("observe", "score", "select")}
     return {"context": context, "family": scorer.family, "device": str(model.device), "dtype": str(model.dtype),
             "layers": model.config.num_hidden_layers, "rounds": repeats, "plain_prefill_s": round(plain_s, 4),
-            "cache_prefill_s": round(median([r["cached"] for r in rounds]), 4),
+            "cache_prefill_s": round(statistics.median([r["cached"] for r in rounds]), 4),
             **{f"{k}_s": round(v, 4) for k, v in parts.items()},
-            **{f"{k}_share": round(median([r[k] / r["plain"] for r in rounds]), 4) for k in parts},
-            "overhead_share": round(median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
+            **{f"{k}_share": round(statistics.median([r[k] / r["plain"] for r in rounds]), 4) for k in parts},
+            "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
 def main() -> None:

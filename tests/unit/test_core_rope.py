@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from curkv_train.core.rope import average_rotation, key_view, pair_rotary_tables, rotary_tables, rotate
+from curkv_train.core.rope import (average_rotation, key_view, pair_rotary_tables, rotary_tables, rotate,
+                                   rotate_half)
 from curkv_train.models.base import tiny_llama_config
 
 ROPES = [None, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
@@ -49,5 +50,5 @@ def test_average_rotation_is_the_mean_of_the_modules_rotations(rope):
     model = llama(rope)
     queries = torch.randn(5, 16)
     cos, sin = rotary_tables(model, torch.arange(300, 340), queries)  # (40, 16) each
-    expected = (queries[:, None] * cos + rotate(queries[:, None], 0, 1) * sin).mean(dim=1)  # rotate(x, 0, 1) = rotate_half
+    expected = (queries[:, None] * cos + rotate_half(queries[:, None]) * sin).mean(dim=1)
     torch.testing.assert_close(queries @ average_rotation(model, 300, 40, 16, queries).T, expected)
