@@ -36,7 +36,7 @@ EPSILON = 1e-6
 
 def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, end: int, observation: Observation, *,
-                   future_positions: int = 512, pool_kernel: int = 5) -> torch.Tensor:
+                   future_positions: int = 512, pool_kernel: int = 5, gram: torch.Tensor | None = None) -> torch.Tensor:
     """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
 
     Args:
@@ -51,6 +51,8 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
         observation: the layer's observation (window queries, their positions, query statistics).
         future_positions: positions after ``end`` the RoPE rotation is averaged over.
         pool_kernel: odd width of the window-attention pooling.
+        gram: the layer's :func:`output_gram`, for a caller that looked it up already (a compiled scorer
+            does, outside its graph: the lookup cannot be traced); default: looked up here.
 
     Returns:
         (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
@@ -63,7 +65,7 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
     window = window_attention(model, queries, keys, positions, observation.positions, scale, pool_kernel)
     expected = expected_attention(model, observation.statistics, keys, end, scale, future_positions)
     value_norm = values.float().norm(dim=-1).clamp_min(EPSILON).log()
-    output_norm = output_norms(module, values, group).clamp_min(EPSILON).log()
+    output_norm = output_norms(module, values, group, gram).clamp_min(EPSILON).log()
     features = torch.stack([window, expected, value_norm, output_norm], dim=-1)
     return features - features.mean(dim=2, keepdim=True)
 
@@ -117,25 +119,29 @@ def expected_attention(model: PreTrainedModel, statistics: QueryStatistics, keys
     return _log_share(probs.mean(dim=2))
 
 
-def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int) -> torch.Tensor:
+def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,
+                 gram: torch.Tensor | None = None) -> torch.Tensor:
     """‖W_O v_j‖ averaged over the KV head's query heads: (batch, kv_heads, tokens).
 
     Args:
         module: the attention module (its ``o_proj`` maps heads × head_dim to hidden_size).
         values: (batch, kv_heads, tokens, head_dim).
         group: query heads per KV head.
+        gram: ``module``'s :func:`output_gram` if the caller has it.
     """
-    return head_output_norms(module, values, group).mean(dim=2)
+    return head_output_norms(module, values, group, gram).mean(dim=2)
 
 
-def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int) -> torch.Tensor:
+def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,
+                      gram: torch.Tensor | None = None) -> torch.Tensor:
     """‖W_O^(h,g) v_j‖ for every query head g of each KV head h: (batch, kv_heads, group, tokens).
 
     W_O^(h,g) is the slice of ``o_proj`` that reads query head h·group + g, so this is the size
     of what token j writes into the residual stream through that head when fully attended.
+    ``gram``: ``module``'s :func:`output_gram` if the caller has it (default: looked up).
     """
     batch, kv_heads, tokens, dim = values.shape
-    gram = output_gram(module, kv_heads, group)
+    gram = output_gram(module, kv_heads, group) if gram is None else gram
     values = values.float()
     projected = values @ gram.permute(0, 2, 1, 3).reshape(kv_heads, dim, group * dim)  # (b, h, n, g·d)
     squared = (projected.reshape(batch, kv_heads, tokens, group, dim) * values[:, :, :, None]).sum(dim=-1)

@@ -48,3 +48,14 @@ def test_a_cache_with_a_compiled_scorer_generates_what_the_eager_one_does(model)
         tokens.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
                                      do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None))
     assert torch.equal(tokens[1], tokens[0])
+
+
+@torch.no_grad()
+def test_a_layers_scoring_compiles_to_one_graph(model):
+    scorer = family_scorer("query_aware")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    scorer.compiled().score_layer(model, 1, **layer_inputs(scorer, model, 1, 48, seed=1))
+    assert counters["stats"]["unique_graphs"] == 1  # nothing the graph calls is left to eager (no graph break)
+    assert not counters["graph_break"]
