@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
-       [--random-weights] [--layers N] [--compile]
+       [--random-weights] [--layers N] [--compile] [--skip-features NAMES]
 
 ``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
 that family (timing does not depend on the weights). ``--random-weights`` builds the base from its
@@ -18,7 +18,9 @@ the query statistics), scoring (features + estimator, ``CurKVCache._score``) and
 prefill (target: scoring <= 5 %), and the whole overhead from prefills timed without the parts'
 timers (on a GPU those wait for the device at every part, so the parts are upper bounds there,
 and the overhead is what a prefill that overlaps them pays). ``--compile`` scores through
-``Scorer.compiled()``, compiled by the warm-up prefill. Timing hooks live in this script; the
+``Scorer.compiled()``, compiled by the warm-up prefill. ``--skip-features window_attention,output_norm``
+replaces those query features by constants in this process: what scoring would cost without them (timing only: the
+scores are then no trained scorer's). Timing hooks live in this script; the
 library carries none.
 """
 
@@ -34,6 +36,7 @@ from typing import Callable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from curkv_train.core import features
 from curkv_train.core.shapes import kv_shape
 from curkv_train.models.base import freeze, load_base_model, resolve_model_source
 from curkv_train.models.estimators import build_estimator
@@ -55,6 +58,18 @@ def instrumented() -> Iterator[None]:
     finally:
         for (owner, name, _), original in zip(targets, originals):
             setattr(owner, name, original)
+
+
+# skippable query feature -> (function of curkv_train.core.features computing it, index of its keys / values argument)
+SKIPPABLE = {"window_attention": ("window_attention", 2), "expected_attention": ("expected_attention", 2),
+             "output_norm": ("output_norms", 1)}
+
+
+def skip_features(names: list[str]) -> None:
+    """Replace the named query features by zeros (batch, kv_heads, tokens) in this process."""
+    for name in names:
+        function, index = SKIPPABLE[name]
+        setattr(features, function, lambda *args, _index=index, **kwargs: args[_index].new_zeros(args[_index].shape[:3]))
 
 
 def load_model(base: str, *, random_weights: bool, layers: int | None, dtype: torch.dtype,
@@ -134,9 +149,15 @@ def main() -> None:
     parser.add_argument("--random-weights", action="store_true", help="build the base from its config only")
     parser.add_argument("--layers", type=int, default=None, help="keep the base's first N layers")
     parser.add_argument("--compile", action="store_true", help="score through torch.compile (Scorer.compiled)")
+    parser.add_argument("--skip-features", default="", help=f"comma-separated subset of {', '.join(SKIPPABLE)}: "
+                        "timed as constants (what scoring would cost without them)")
     args = parser.parse_args()
     if args.layers is not None and not args.random_weights:
         parser.error("--layers builds a truncated model from the config: pass --random-weights with it")
+    skipped = [name for name in args.skip_features.split(",") if name]
+    if unknown := sorted(set(skipped) - set(SKIPPABLE)):
+        parser.error(f"unknown feature(s) {', '.join(unknown)}; expected some of {', '.join(SKIPPABLE)}")
+    skip_features(skipped)
     torch.set_num_threads(args.threads)
     model = load_model(args.base, random_weights=args.random_weights, layers=args.layers,
                        dtype=getattr(torch, args.dtype), device=args.device)
@@ -145,7 +166,7 @@ def main() -> None:
     print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")
     rows = []
     for context in map(int, args.contexts.split(",")):
-        row = {**measure(model, scorer, context, args.repeats), "compiled": args.compile}
+        row = {**measure(model, scorer, context, args.repeats), "compiled": args.compile, "skipped_features": skipped}
         rows.append(row)
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
               f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "
