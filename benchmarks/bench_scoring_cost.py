@@ -69,7 +69,8 @@ def skip_features(names: list[str]) -> None:
     """Replace the named query features by zeros (batch, kv_heads, tokens) in this process."""
     for name in names:
         function, index = SKIPPABLE[name]
-        setattr(features, function, lambda *args, _index=index, **kwargs: args[_index].new_zeros(args[_index].shape[:3]))
+        constant = lambda *args, _index=index, **kwargs: args[_index].new_zeros(args[_index].shape[:3])
+        setattr(features, function, constant)
 
 
 def load_model(base: str, *, random_weights: bool, layers: int | None, dtype: torch.dtype,
