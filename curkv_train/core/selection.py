@@ -27,10 +27,17 @@ def check_keep_ratio(keep_ratio: float | str, *, allow_adaptive: bool = False) -
     return float(keep_ratio)
 
 
+def compressible_span(context_length: int, n_sink: int, window: int) -> tuple[int, int]:
+    """(start, stop): the tokens start, ..., stop − 1 are neither sinks nor in the recent window (maybe none)."""
+    start = min(n_sink, context_length)
+    return start, max(start, context_length - window)
+
+
 def compressible_mask(context_length: int, n_sink: int, window: int, device=None) -> torch.Tensor:
     """(context_length,) bool: True for tokens that are neither sinks nor in the recent window."""
+    start, stop = compressible_span(context_length, n_sink, window)
     positions = torch.arange(context_length, device=device)
-    return (positions >= n_sink) & (positions < context_length - window)
+    return (positions >= start) & (positions < stop)
 
 
 def kept_count(num_compressible: int, keep_ratio: float) -> int:
@@ -80,8 +87,8 @@ def newest_places(competing: torch.Tensor, keep: int, recent_share: float) -> to
 
 def expected_kept(context_length: int, n_sink: int, window: int, keep_ratio: float) -> int:
     """Tokens :func:`select_kept` keeps per (layer, KV head): sinks + window + ⌈ρ·n_compressible⌉."""
-    compressible = int(compressible_mask(context_length, n_sink, window).sum())
-    return context_length - compressible + kept_count(compressible, keep_ratio)
+    start, stop = compressible_span(context_length, n_sink, window)
+    return context_length - (stop - start) + kept_count(stop - start, keep_ratio)
 
 
 def select_kept(scores: torch.Tensor, n_sink: int, window: int, keep_ratio: float) -> torch.Tensor:
@@ -97,14 +104,12 @@ def select_kept(scores: torch.Tensor, n_sink: int, window: int, keep_ratio: floa
         kept = sinks + window + ⌈ρ·n_compressible⌉ (all tokens when nothing is compressible).
     """
     batch, heads, tokens = scores.shape
-    compressible = compressible_mask(tokens, n_sink, window, device=scores.device)
+    start, stop = compressible_span(tokens, n_sink, window)
+    # slices, not boolean masks: a mask's selection waits for the device to count it
     positions = torch.arange(tokens, device=scores.device)
-    protected = positions[~compressible].expand(batch, heads, -1)
-    candidates = positions[compressible]
-    count = kept_count(candidates.numel(), keep_ratio)
-    chosen = scores[..., compressible].float().topk(count, dim=-1).indices
-    kept = torch.cat([protected, candidates[chosen]], dim=-1)
-    return kept.sort(dim=-1).values
+    protected = torch.cat([positions[:start], positions[stop:]]).expand(batch, heads, -1)
+    chosen = scores[..., start:stop].float().topk(kept_count(stop - start, keep_ratio), dim=-1).indices + start
+    return torch.cat([protected, chosen], dim=-1).sort(dim=-1).values
 
 
 def compress_kv(keys: torch.Tensor, values: torch.Tensor, keep_idx: torch.Tensor, backend: str = "auto"):

@@ -93,8 +93,9 @@ class ObservationBuffer:
     def _fold(self) -> None:
         """Add the ring's unfolded queries to the statistics."""
         if self.unfolded:
-            positions = self._window_positions()[-self.unfolded:]
-            self._add_to_statistics(self.ring[:, :, positions % self.window], int(positions[0]))
+            start = self.seen - self.unfolded  # counted on the host: reading it off the device would wait for it
+            slots = torch.arange(start, self.seen, device=self.ring.device) % self.window
+            self._add_to_statistics(self.ring[:, :, slots], start)
             self.unfolded = 0
 
     def take_arrival_scores(self, new: int, layer: int) -> torch.Tensor:
