@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import CurKVCache
+from curkv_train.runtime.layer import CurKVLayer
 from runtime_helpers import family_scorer
 
 pytestmark = pytest.mark.gpu
@@ -76,3 +77,25 @@ def test_a_compiled_scorer_keeps_what_the_eager_one_keeps(models):
         model(prompt(300, "cuda"), past_key_values=cache)
         held.append(torch.stack([layer.positions.long() for layer in cache.layers]))
     assert torch.equal(held[1], held[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_a_compression_never_waits_for_the_device(models, family, monkeypatch):
+    """Scoring, selecting and compacting a layer queue work on the GPU without reading anything back
+    (a read-back stalls the host until the device catches up, once per layer and compression)."""
+    compressed, compress = [], CurKVLayer.compress
+
+    def strict(layer: CurKVLayer) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            compress(layer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        compressed.append(layer.layer_idx)
+
+    monkeypatch.setattr(CurKVLayer, "compress", strict)
+    model = models["cuda"]
+    model(prompt(300, "cuda"), past_key_values=CurKVCache(family_scorer(family), model=model, keep_ratio=0.5))
+    assert compressed == list(range(model.config.num_hidden_layers))
