@@ -6,7 +6,8 @@ Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-ins
 
 ``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
 that family (timing does not depend on the weights). ``--random-weights`` builds the base from its
-config alone (``--base`` may then be a folder holding only a config.json, e.g. Llama-2-70B's), and
+config alone (``--base`` may then be a folder holding only a config.json, or a hub id whose config ships in
+``data/model_configs``: ``meta-llama/Llama-2-70b-hf`` works offline), and
 ``--layers N`` keeps its first N layers: the shares are per layer, so a few layers of a large
 model give its shares without its weights. For each context length: the median time
 of a plain prefill (DynamicCache), and of a prefill through CurKVCache (keep 0.5, no cold tier),
@@ -34,11 +35,12 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from curkv_train.core import features
 from curkv_train.core.shapes import kv_shape
-from curkv_train.models.base import freeze, load_base_model, resolve_model_source
+from curkv_train.models.base import freeze, load_base_model
+from curkv_train.models.configs import load_model_config
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
 from curkv_train.runtime.layer import CurKVLayer
@@ -78,7 +80,7 @@ def load_model(base: str, *, random_weights: bool, layers: int | None, dtype: to
     """The base model on ``device``, or (``random_weights``) one built from its config, first ``layers`` layers."""
     if not random_weights:
         return load_base_model(base, dtype=dtype, attn_implementation="sdpa").to(device)
-    config = AutoConfig.from_pretrained(resolve_model_source(base))
+    config = load_model_config(base)
     config.num_hidden_layers = layers or config.num_hidden_layers
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: a large geometry never sits in host memory

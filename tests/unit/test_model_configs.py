@@ -9,10 +9,20 @@ from curkv_train.models.estimator import ValueEstimator
 
 LLAMA2_70B = "meta-llama/Llama-2-70b-hf"
 LLAMA2_7B = "meta-llama/Llama-2-7b-hf"
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_both_llama2_configs_ship():
     assert {LLAMA2_7B, LLAMA2_70B} <= set(shipped_model_ids())
+
+
+def test_shipped_smollm2_config_has_the_embedded_models_geometry():
+    """What a GPU benchmark builds with random weights (the embedded GGUF does not travel to it) is the embedded model."""
+    shipped, embedded = load_model_config(SMOLLM2), load_model_config("embedded:smollm2-135m-instruct")
+    assert kv_shape(shipped) == kv_shape(embedded)
+    for name in ("hidden_size", "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(shipped, name) == getattr(embedded, name), name
+    assert shipped.rope_parameters == embedded.rope_parameters
 
 
 @pytest.mark.parametrize(
