@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
-       [--random-weights] [--layers N] [--compile] [--skip-features NAMES]
+       [--random-weights] [--layers N] [--compile] [--skip-features NAMES] [--feature-backend auto]
 
 ``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
 that family (timing does not depend on the weights). ``--random-weights`` builds the base from its
@@ -21,8 +21,9 @@ timers (on a GPU those wait for the device at every part, so the parts are upper
 and the overhead is what a prefill that overlaps them pays). ``--compile`` scores through
 ``Scorer.compiled()``, compiled by the warm-up prefill. ``--skip-features window_attention,output_norm``
 replaces those query features by constants in this process: what scoring would cost without them (timing only: the
-scores are then no trained scorer's). Timing hooks live in this script; the
-library carries none.
+scores are then no trained scorer's). ``--feature-backend torch`` keeps the query features' attention-sized parts
+on the torch path where ``auto`` would take the fused Triton kernels (eager scoring on CUDA): the two side by side
+give what the kernels buy. Timing hooks live in this script; the library carries none.
 """
 
 from __future__ import annotations
@@ -62,17 +63,32 @@ def instrumented() -> Iterator[None]:
             setattr(owner, name, original)
 
 
-# skippable query feature -> (function of curkv_train.core.features computing it, index of its keys / values argument)
-SKIPPABLE = {"window_attention": ("window_attention", 2), "expected_attention": ("expected_attention", 2),
-             "output_norm": ("output_norms", 1)}
+def _zeros_like_keys(name: str) -> Callable[..., torch.Tensor]:
+    """A stand-in for the torch-path function ``name`` of curkv_train.core.features: zeros of its output's shape."""
+    shapes = {"window_mass": lambda queries, keys, *rest: keys.shape[:3],  # (b, h, n)
+              "expected_logits": lambda mean, covariance, keys, scale: (*mean.shape[:3], keys.shape[2]),  # (b, h, g, n)
+              "head_output_norms": lambda module, values, *rest: (*values.shape[:2], 1, values.shape[2])}  # (b, h, 1, n)
+    return lambda *args, **kwargs: args[1].new_zeros(shapes[name](*args))
+
+
+# skippable query feature -> the torch-path function of curkv_train.core.features computing its attention-sized part
+SKIPPABLE = {"window_attention": "window_mass", "expected_attention": "expected_logits",
+             "output_norm": "head_output_norms"}
 
 
 def skip_features(names: list[str]) -> None:
-    """Replace the named query features by zeros (batch, kv_heads, tokens) in this process."""
+    """Replace the named query features' attention-sized parts by zeros in this process (the torch path: skipping
+    forces it)."""
     for name in names:
-        function, index = SKIPPABLE[name]
-        constant = lambda *args, _index=index, **kwargs: args[_index].new_zeros(args[_index].shape[:3])
-        setattr(features, function, constant)
+        setattr(features, SKIPPABLE[name], _zeros_like_keys(SKIPPABLE[name]))
+    if names:
+        force_feature_backend("torch")
+
+
+def force_feature_backend(backend: str) -> None:
+    """Make every query-feature computation in this process use ``backend`` (auto: leave the choice as it is)."""
+    if backend != "auto":
+        features.feature_backend = lambda *args, _backend=backend: _backend
 
 
 def load_model(base: str, *, random_weights: bool, layers: int | None, dtype: torch.dtype,
@@ -154,12 +170,17 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="score through torch.compile (Scorer.compiled)")
     parser.add_argument("--skip-features", default="", help=f"comma-separated subset of {', '.join(SKIPPABLE)}: "
                         "timed as constants (what scoring would cost without them)")
+    parser.add_argument("--feature-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="who computes the query features' attention-sized parts (auto: Triton on CUDA, eager)")
     args = parser.parse_args()
     if args.layers is not None and not args.random_weights:
         parser.error("--layers builds a truncated model from the config: pass --random-weights with it")
     skipped = [name for name in args.skip_features.split(",") if name]
     if unknown := sorted(set(skipped) - set(SKIPPABLE)):
         parser.error(f"unknown feature(s) {', '.join(unknown)}; expected some of {', '.join(SKIPPABLE)}")
+    if skipped and args.feature_backend == "triton":
+        parser.error("--skip-features replaces parts of the torch path: it cannot go with --feature-backend triton")
+    force_feature_backend(args.feature_backend)
     skip_features(skipped)
     torch.set_num_threads(args.threads)
     model = load_model(args.base, random_weights=args.random_weights, layers=args.layers,
@@ -169,7 +190,8 @@ def main() -> None:
     print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")
     rows = []
     for context in map(int, args.contexts.split(",")):
-        row = {**measure(model, scorer, context, args.repeats), "compiled": args.compile, "skipped_features": skipped}
+        row = {**measure(model, scorer, context, args.repeats), "compiled": args.compile, "skipped_features": skipped,
+               "feature_backend": args.feature_backend}
         rows.append(row)
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
               f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "

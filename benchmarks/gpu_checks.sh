@@ -12,7 +12,7 @@
 # curkv_train runs from a copy laid out as pip would install it (kernels/ as curkv_train.kernels, ...), so nothing is
 # built. The embedded GGUF model does not travel (over a device call's 64 MiB): the scoring cost runs the shipped
 # SmolLM2 and Llama-2-70B configs (data/model_configs) with random weights (timing does not depend on them). Each step has its own time
-# limit; the whole run takes about 8 minutes of a session's 15. Logs land in OUT_DIR, one per step.
+# limit; the whole run takes about 9 minutes of a session's 15. Logs land in OUT_DIR, one per step.
 set -u
 out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR [WHEELS_DIR]}
 wheels=${2:-}
@@ -54,4 +54,6 @@ scoring=(python "$repo/benchmarks/bench_scoring_cost.py" --device cuda --dtype b
 step scoring_smollm2 120 "${scoring[@]}" --base HuggingFaceTB/SmolLM2-135M-Instruct --contexts 1024,4096
 step scoring_smollm2_compiled 180 "${scoring[@]}" --base HuggingFaceTB/SmolLM2-135M-Instruct --contexts 1024,4096 --compile
 step scoring_llama70b 120 "${scoring[@]}" --base meta-llama/Llama-2-70b-hf --layers 4 --contexts 1024,4096
+step scoring_llama70b_torch_features 120 "${scoring[@]}" --base meta-llama/Llama-2-70b-hf --layers 4 \
+  --contexts 1024,4096 --feature-backend torch
 tail -n 3 "$out"/*.log

@@ -1,5 +1,8 @@
 """Fused compression path: score-biased attention, top-k compaction, attention over CUR-factored blocks.
 
+The query features' attention-sized parts have their kernels in :mod:`curkv_train.kernels.query_features_triton`,
+dispatched by :func:`curkv_train.core.features.query_features` (its torch path is their reference).
+
 Installed as ``curkv_train.kernels``. Each public function dispatches between a
 Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and the
 PyTorch reference in :mod:`curkv_train.kernels.reference` with identical semantics.

@@ -19,6 +19,11 @@ and the moments of every query seen):
 
 Each feature is centred over the scored tokens of its (batch, KV head), so a weighted sum of
 them is a logit near 0 on average; centring changes no ranking.
+
+The three attention-sized parts (the window rows' attention to every key, the expected
+attention's logits, ‖W_O v‖) are computed by the torch functions below or, for CUDA tensors in
+eager scoring, by the fused Triton kernels of :mod:`curkv_train.kernels.query_features_triton`
+(:func:`feature_backend`); the rest is the same code either way.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import average_rotation, rotary_tables, rotate
+from curkv_train.kernels.dispatch import triton_available
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
 EPSILON = 1e-6
@@ -36,7 +42,8 @@ EPSILON = 1e-6
 
 def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, end: int, observation: Observation, *,
-                   future_positions: int = 512, pool_kernel: int = 5, gram: torch.Tensor | None = None) -> torch.Tensor:
+                   future_positions: int = 512, pool_kernel: int = 5, gram: torch.Tensor | None = None,
+                   backend: str = "auto") -> torch.Tensor:
     """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
 
     Args:
@@ -53,21 +60,53 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
         pool_kernel: odd width of the window-attention pooling.
         gram: the layer's :func:`output_gram`, for a caller that looked it up already (a compiled scorer
             does, outside its graph: the lookup cannot be traced); default: looked up here.
+        backend: who computes the attention-sized parts (:func:`feature_backend`): ``torch``, ``triton``
+            (the fused kernels of :mod:`curkv_train.kernels.query_features_triton`) or ``auto``.
 
     Returns:
         (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
     """
-    batch, kv_heads, tokens, dim = keys.shape
-    queries = observation.queries.float()
-    group = queries.shape[1] // kv_heads
-    keys = keys.float()
+    kv_heads, dim = keys.shape[1], keys.shape[3]
+    group = observation.queries.shape[1] // kv_heads
     scale = getattr(module, "scaling", dim**-0.5)
-    window = window_attention(model, queries, keys, positions, observation.positions, scale, pool_kernel)
-    expected = expected_attention(model, observation.statistics, keys, end, scale, future_positions)
+    gram = output_gram(module, kv_heads, group) if gram is None else gram
+    queries = window_queries(model, observation.queries.float(), observation.positions, kv_heads, scale)
+    query_positions = observation.positions.to(keys.device).repeat(group)  # row g·W + w is query w
+    mean, covariance = future_moments(model, observation.statistics, end, future_positions, kv_heads, keys)
+    positions = positions.to(keys.device)
+    if feature_backend(backend, keys, values) == "triton":
+        from curkv_train.kernels.query_features_triton import query_feature_parts_triton
+
+        mass, expected, output = query_feature_parts_triton(queries, query_positions, keys, positions, values,
+                                                             mean, covariance, gram, scale)
+    else:
+        mass = window_mass(queries, keys.float(), positions, query_positions)
+        expected = expected_logits(mean, covariance, keys.float(), scale)
+        output = head_output_norms(module, values, group, gram).mean(dim=2)
+    window = _log_share(F.avg_pool1d(mass, pool_kernel, stride=1, padding=pool_kernel // 2))
+    expected = _log_share(expected.softmax(dim=-1).mean(dim=2))
     value_norm = values.float().norm(dim=-1).clamp_min(EPSILON).log()
-    output_norm = output_norms(module, values, group, gram).clamp_min(EPSILON).log()
+    output_norm = output.clamp_min(EPSILON).log()
     features = torch.stack([window, expected, value_norm, output_norm], dim=-1)
     return features - features.mean(dim=2, keepdim=True)
+
+
+def feature_backend(backend: str, keys: torch.Tensor, values: torch.Tensor) -> str:
+    """``torch`` or ``triton`` for :func:`query_features`' attention-sized parts.
+
+    ``auto`` picks the fused Triton kernels for CUDA tensors that need no gradient, outside
+    ``torch.compile`` (which fuses the torch path itself), and torch otherwise. Unlike the
+    compression kernels, ``auto`` does not pick the kernels under ``TRITON_INTERPRET=1``:
+    interpreted, every layer's scoring would take seconds (the kernel tests ask for them by name).
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown feature backend {backend!r}; expected auto, torch or triton")
+    if backend != "auto":
+        return backend
+    needs_grad = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
+    if keys.is_cuda and not needs_grad and not torch.compiler.is_compiling() and triton_available():
+        return "triton"
+    return "torch"
 
 
 def _log_share(probs: torch.Tensor) -> torch.Tensor:
@@ -75,48 +114,51 @@ def _log_share(probs: torch.Tensor) -> torch.Tensor:
     return (probs * probs.shape[-1] + EPSILON).log()
 
 
-def window_attention(model: PreTrainedModel, queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                     query_positions: torch.Tensor, scale: float, pool_kernel: int) -> torch.Tensor:
-    """log(n·p) of the pooled attention the window pays each key: (batch, kv_heads, tokens).
-
-    Args:
-        queries: (batch, heads, W, head_dim) pre-RoPE window queries.
-        keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
-        positions, query_positions: absolute positions of keys ((tokens,) or (batch, kv_heads,
-            tokens)) and of the window queries (W,); a query sees keys at or before its position.
-    """
-    batch, kv_heads, tokens, dim = keys.shape
+def window_queries(model: PreTrainedModel, queries: torch.Tensor, query_positions: torch.Tensor, kv_heads: int,
+                   scale: float) -> torch.Tensor:
+    """The window's queries rotated to their own positions and scaled, one row per (query head g, query w)
+    of each KV head: (batch, kv_heads, g·W, head_dim) from pre-RoPE (batch, heads, W, head_dim)."""
+    batch, _, _, dim = queries.shape
     tables = rotary_tables(model, query_positions, queries)
     rotated = rotate(queries, *tables) if tables is not None else queries
-    grouped = (rotated * scale).reshape(batch, kv_heads, -1, rotated.shape[2], dim)  # scaled: W·d products, not W·n
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", grouped, keys)
-    key_positions = positions.to(keys.device).reshape(*positions.shape[:-1], 1, 1, tokens)  # (..., g, W, n)
-    future = key_positions > query_positions.to(keys.device).reshape(-1, 1)
-    # an additive mask: masked_fill with a mask broadcast over the query heads takes several times longer
-    probs = logits.add_(torch.where(future, float("-inf"), 0.0)).softmax(dim=-1).nan_to_num_(0.0)
-    # the mean over the window and the query heads is linear, as the pooling is: take it first, pool g·W times less
-    attention = probs.sum(dim=(2, 3)) / (probs.shape[2] * probs.shape[3])
-    return _log_share(F.avg_pool1d(attention, pool_kernel, stride=1, padding=pool_kernel // 2))
+    return (rotated * scale).reshape(batch, kv_heads, -1, dim)  # scaled: W·d products, not W·n
 
 
-def expected_attention(model: PreTrainedModel, statistics: QueryStatistics, keys: torch.Tensor, end: int,
-                       scale: float, future_positions: int) -> torch.Tensor:
-    """log(n·p) of the attention a Gaussian future query pays each key: (batch, kv_heads, tokens).
+def window_mass(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                query_positions: torch.Tensor) -> torch.Tensor:
+    """The attention each key gets from the window, averaged over its rows: (batch, kv_heads, tokens).
 
     Args:
-        statistics: moments of the pre-RoPE queries seen (the Gaussian's mean and covariance).
+        queries: (batch, kv_heads, R, head_dim) :func:`window_queries`.
         keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
-        end: the next query's position; the rotation is averaged over [end, end + future_positions).
+        positions, query_positions: absolute positions of keys ((tokens,) or (batch, kv_heads,
+            tokens)) and of the rows (R,); a row sees keys at or before its position.
     """
-    batch, kv_heads, tokens, dim = keys.shape
+    logits = queries @ keys.transpose(-1, -2)  # (b, h, R, n)
+    future = positions.unsqueeze(-2) > query_positions.reshape(-1, 1)
+    # an additive mask: masked_fill with a mask broadcast over the rows takes several times longer
+    probs = logits.add_(torch.where(future, float("-inf"), 0.0)).softmax(dim=-1).nan_to_num_(0.0)
+    return probs.mean(dim=2)  # the mean over rows is linear, as the pooling is: taken first, pooled R times less
+
+
+def future_moments(model: PreTrainedModel, statistics: QueryStatistics, end: int, future_positions: int,
+                   kv_heads: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries' mean (batch, kv_heads, g, head_dim) and covariance (batch, kv_heads, g, head_dim, head_dim)
+    rotated by RoPE averaged over [end, end + future_positions): the Gaussian future query of each query head."""
+    batch, dim = keys.shape[0], keys.shape[3]
     mean, covariance = statistics.mean(), statistics.covariance()
     rotation = average_rotation(model, end, future_positions, dim, keys)
     mean = (mean @ rotation.T).reshape(batch, kv_heads, -1, dim)
     covariance = (rotation @ covariance @ rotation.T).reshape(batch, kv_heads, -1, dim, dim)
+    return mean, covariance
+
+
+def expected_logits(mean: torch.Tensor, covariance: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """s·μ'·k_j + ½·s²·k_jᵀΣ'k_j for every query head's Gaussian (:func:`future_moments`) and key:
+    (batch, kv_heads, g, tokens); its softmax over tokens is the expected attention."""
     linear = torch.einsum("bhgd,bhnd->bhgn", mean, keys) * scale
     quadratic = ((keys[:, :, None] @ covariance) * keys[:, :, None]).sum(dim=-1)
-    probs = (linear + 0.5 * scale**2 * quadratic).softmax(dim=-1)
-    return _log_share(probs.mean(dim=2))
+    return linear + 0.5 * scale**2 * quadratic
 
 
 def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,

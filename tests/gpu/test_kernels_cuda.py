@@ -78,3 +78,33 @@ def test_factored_attention_matches_reference_on_cuda(dtype, num_queries):
     want = factored_attention_reference(q, cold_keys, cold_values, k, v).float()
     error = ((got - want).abs().max() / want.abs().max()).item()
     assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_query_feature_kernels_match_the_torch_path_on_cuda(dtype, kv_heads=8, group=8, window=64, tokens=4096 + 37,
+                                                            head_dim=128):
+    """Llama-2-70B's geometry at 4K: the fused kernels against the torch path on the same device."""
+    from curkv_train.core import features
+    from curkv_train.kernels.query_features_triton import query_feature_parts_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    keys, values = (randn(1, kv_heads, tokens, head_dim).to(dtype) for _ in range(2))
+    queries = randn(1, kv_heads, group * window, head_dim) * head_dim**-0.5
+    query_positions = torch.arange(tokens - window, tokens, device="cuda").repeat(group)
+    positions = torch.arange(tokens, device="cuda")
+    mean = randn(1, kv_heads, group, head_dim)
+    factor = randn(1, kv_heads, group, head_dim, head_dim) / head_dim
+    covariance = factor @ factor.transpose(-1, -2)
+    weight = randn(8192, kv_heads * group, head_dim).reshape(8192, kv_heads, group, head_dim) / 100
+    gram = torch.einsum("ohgd,ohge->hgde", weight, weight)
+    scale = head_dim**-0.5
+    fused = query_feature_parts_triton(queries, query_positions, keys, positions, values, mean, covariance, gram, scale)
+    reference = (features.window_mass(queries, keys.float(), positions, query_positions),
+                 features.expected_logits(mean, covariance, keys.float(), scale),
+                 features.head_output_norms(None, values, group, gram).mean(dim=2))  # the module: only for its gram
+    for name, got, want in zip(("window mass", "expected logits", "output norm"), fused, reference):
+        torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-3, msg=name)

@@ -70,13 +70,32 @@ def test_cold_tier_through_the_triton_kernels_matches_torch(models):
 
 
 @torch.no_grad()
-def test_a_compiled_scorer_keeps_what_the_eager_one_keeps(models):
+def test_a_compiled_scorer_keeps_what_the_eager_one_keeps(models, monkeypatch):
+    from curkv_train.core import features
+
+    # compiled scoring runs the features' torch path; eager would take the fused kernels, equal only to float error
+    monkeypatch.setattr(features, "feature_backend", lambda *args: "torch")
     model, held = models["cuda"], []
     for compile_scorer in (False, True):
         cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compile_scorer=compile_scorer)
         model(prompt(300, "cuda"), past_key_values=cache)
         held.append(torch.stack([layer.positions.long() for layer in cache.layers]))
     assert torch.equal(held[1], held[0])
+
+
+@torch.no_grad()
+def test_the_fused_feature_kernels_keep_what_the_torch_path_keeps(models, monkeypatch):
+    from curkv_train.core import features
+
+    model, held, choose = models["cuda"], [], features.feature_backend
+    for backend in ("triton", "torch"):
+        monkeypatch.setattr(features, "feature_backend", lambda *args, _backend=backend: _backend)
+        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5)
+        model(prompt(300, "cuda"), past_key_values=cache)
+        held.append(torch.stack([layer.positions.long() for layer in cache.layers]))
+    assert choose("auto", cache.layers[0].keys, cache.layers[0].values) == "triton"  # what eager scoring takes
+    agreement = (held[0][..., :, None] == held[1][..., None, :]).any(-1).float().mean()
+    assert agreement > 0.99, f"the kernels and the torch path keep different tokens: {agreement:.3f} agree"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
