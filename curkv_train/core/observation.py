@@ -95,10 +95,15 @@ class Observation:
         return Observation(self.queries[:, :, -count:], self.positions[-count:], self.statistics)
 
 
-def observe_queries(queries: torch.Tensor, positions: torch.Tensor, skip: int) -> Observation:
-    """The observation of a prefill from its pre-RoPE queries (batch, heads, tokens, head_dim) at ``positions``
-    (tokens,): statistics over the tokens at positions >= ``skip`` (the first tokens' queries are outliers)."""
-    return Observation(queries, positions, QueryStatistics.of(queries[:, :, int((positions < skip).sum()):]))
+def observe_queries(queries: torch.Tensor, skip: int) -> Observation:
+    """The observation of a prefill from its pre-RoPE queries (batch, heads, tokens, head_dim) at positions
+    0, 1, ...: statistics over the tokens at positions >= ``skip`` (the first tokens' queries are outliers).
+
+    The positions are made on the queries' device and the skipped count on the host, so nothing is read back
+    from a GPU (a read-back would stall the host once per layer)."""
+    tokens = queries.shape[2]
+    positions = torch.arange(tokens, device=queries.device)
+    return Observation(queries, positions, QueryStatistics.of(queries[:, :, min(skip, tokens):]))
 
 
 def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:

@@ -62,7 +62,7 @@ class ContextCapture:
         and their statistics from position ``skip`` on (as the runtime accumulates them)."""
         if layer not in self._queries:
             self._queries[layer] = pre_rope_queries(attention_module(model, layer), self.hidden[layer]).float()
-        return observe_queries(self._queries[layer][:, :, :end], self.positions[:end], skip)
+        return observe_queries(self._queries[layer][:, :, :end], skip)
 
 
 @torch.no_grad()

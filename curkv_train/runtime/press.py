@@ -95,7 +95,7 @@ class CurKVPress(ScorerPress):
         tokens = keys.shape[2]
         positions = torch.arange(tokens, device=keys.device)
         scores = self.scorer.score_layer(self.model, module.layer_idx, keys, values, positions,
-                                         **self.scorer.prefill_inputs(self.model, module.layer_idx, hidden_states, positions))
+                                         **self.scorer.prefill_inputs(self.model, module.layer_idx, hidden_states))
         n_sink = self.scorer.n_sink if self.n_sink is None else self.n_sink
         window = self.scorer.window if self.window is None else self.window
         protected = (positions < n_sink) | (positions >= tokens - window)

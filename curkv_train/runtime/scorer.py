@@ -62,14 +62,13 @@ class Scorer:
         self.estimator.to(hidden.device)
         return self.estimator.token_scores(hidden[None], layers=layer_index(layer, hidden.device))[0]
 
-    def prefill_inputs(self, model: PreTrainedModel, layer: int, hidden_states: torch.Tensor,
-                       positions: torch.Tensor) -> dict:
+    def prefill_inputs(self, model: PreTrainedModel, layer: int, hidden_states: torch.Tensor) -> dict:
         """What this scorer reads besides K/V, from a prefill's attention inputs (batch, tokens, hidden_size)
-        at ``positions`` (tokens,): :meth:`score_layer`'s ``observation`` and/or ``token_scores`` keywords."""
+        at positions 0, 1, ...: :meth:`score_layer`'s ``observation`` and/or ``token_scores`` keywords."""
         extra = {}
         if self.observation_window:
             queries = pre_rope_queries(attention_module(model, layer), hidden_states)
-            extra["observation"] = observe_queries(queries, positions, self.estimator.statistics_skip)
+            extra["observation"] = observe_queries(queries, self.estimator.statistics_skip)
         if self.scores_on_arrival:
             extra["token_scores"] = self.token_scores(layer, hidden_states)
         return extra

@@ -118,3 +118,17 @@ def test_a_compression_never_waits_for_the_device(models, family, monkeypatch):
     model = models["cuda"]
     model(prompt(300, "cuda"), past_key_values=CurKVCache(family_scorer(family), model=model, keep_ratio=0.5))
     assert compressed == list(range(model.config.num_hidden_layers))
+
+
+def test_a_prefill_observation_never_waits_for_the_device():
+    """What CurKVPress and training capture build per layer (observe_queries) reads nothing back from the GPU."""
+    from curkv_train.core.observation import observe_queries
+
+    queries = torch.randn(1, 4, 300, 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        observation = observe_queries(queries, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert observation.statistics.count == 296

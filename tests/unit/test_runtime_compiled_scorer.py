@@ -23,7 +23,7 @@ def layer_inputs(scorer, model, layer: int, tokens: int, seed: int) -> dict:
     keys, values = (torch.randn(1, 2, tokens, 16, generator=generator) for _ in range(2))
     hidden = torch.randn(1, tokens, model.config.hidden_size, generator=generator)
     positions = torch.arange(tokens).expand(1, 2, tokens).contiguous()
-    observation = scorer.prefill_inputs(model, layer, hidden, torch.arange(tokens))["observation"]
+    observation = scorer.prefill_inputs(model, layer, hidden)["observation"]
     return {"keys": keys, "values": values, "positions": positions, "end": tokens, "observation": observation}
 
 

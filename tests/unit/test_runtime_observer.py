@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from curkv_train.core.observation import QueryStatistics
+from curkv_train.core.observation import QueryStatistics, observe_queries
 from curkv_train.runtime.observer import ObservationBuffer
 
 HEADS, DIM = 3, 4
@@ -37,6 +37,21 @@ def test_chunked_queries_give_the_observation_of_one_prefill(chunks):
     centred = counted - counted.mean(dim=2, keepdim=True)
     reference = centred.transpose(-1, -2) @ centred / counted.shape[2]
     torch.testing.assert_close(streamed.statistics.covariance(), reference)
+
+
+@pytest.mark.parametrize("tokens", [23, 2, 1])
+def test_a_prefill_observation_is_what_the_buffer_observes(tokens):
+    """The scorer's and the press's prefill observation (observe_queries) and the cache's agree, short prefills too."""
+    all_queries = queries(tokens)
+    prefill = observe_queries(all_queries, 2)
+    buffered = fed(ObservationBuffer(tokens, None, statistics_skip=2), all_queries, [tokens]).observation()
+    assert prefill.positions.tolist() == list(range(tokens))
+    assert prefill.statistics.count == max(tokens - 2, 0)
+    if buffered is None:  # nothing counted: the buffer reports no observation
+        assert tokens <= 2
+        return
+    assert torch.equal(prefill.queries, buffered.queries)
+    torch.testing.assert_close(prefill.statistics.mean(), buffered.statistics.mean())
 
 
 def test_query_moments_hold_the_packed_upper_triangle():

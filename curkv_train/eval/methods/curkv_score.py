@@ -39,6 +39,6 @@ class CurKVScore:
 
     def __call__(self, ctx: LayerContext) -> torch.Tensor:
         """(batch, kv_heads, tokens) float32 keep logits."""
-        extra = (self.scorer.prefill_inputs(ctx.model, ctx.layer, ctx.hidden, ctx.positions) if self.needs_queries
+        extra = (self.scorer.prefill_inputs(ctx.model, ctx.layer, ctx.hidden) if self.needs_queries
                  else {})
         return self.scorer.score_layer(ctx.model, ctx.layer, ctx.keys, ctx.values, ctx.positions, **extra)
