@@ -80,7 +80,7 @@ def _token_pass_kernel(Q, QPos, K, KPos, V, Mean, Cov, Gram, RowMax, RowSum, Exp
                        BLOCK_C: tl.constexpr):
     """Row max / exp-sum partials of the window logits, expected logits and mean ‖W_O v‖ of one token block."""
     block = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements in a long, large-batch cache
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k, k_base, kpos, n_ok = _load_keys(K, KPos, bh, kv_heads, stride_k_b, stride_k_h, stride_k_n,
@@ -116,7 +116,7 @@ def _window_mass_kernel(Q, QPos, K, KPos, RowLse, Mass, n, rows, kv_heads,
                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """Each token's softmax share of every window row, averaged over the rows, for one token block."""
     block = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements in a long, large-batch cache
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     k, _, kpos, n_ok = _load_keys(K, KPos, bh, kv_heads, stride_k_b, stride_k_h, stride_k_n,
                                   stride_kpos_bh, offs_n, n, HEAD_DIM)
