@@ -80,8 +80,9 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
         mass, expected, output = query_feature_parts_triton(queries, query_positions, keys, positions, values,
                                                              mean, covariance, gram, scale)
     else:
-        mass = window_mass(queries, keys.float(), positions, query_positions)
-        expected = expected_logits(mean, covariance, keys.float(), scale)
+        float_keys = keys.float()
+        mass = window_mass(queries, float_keys, positions, query_positions)
+        expected = expected_logits(mean, covariance, float_keys, scale)
         output = head_output_norms(module, values, group, gram).mean(dim=2)
     window = _log_share(F.avg_pool1d(mass, pool_kernel, stride=1, padding=pool_kernel // 2))
     expected = _log_share(expected.softmax(dim=-1).mean(dim=2))
@@ -95,16 +96,19 @@ def feature_backend(backend: str, keys: torch.Tensor, values: torch.Tensor) -> s
     """``torch`` or ``triton`` for :func:`query_features`' attention-sized parts.
 
     ``auto`` picks the fused Triton kernels for CUDA tensors that need no gradient, outside
-    ``torch.compile`` (which fuses the torch path itself), and torch otherwise. Unlike the
-    compression kernels, ``auto`` does not pick the kernels under ``TRITON_INTERPRET=1``:
-    interpreted, every layer's scoring would take seconds (the kernel tests ask for them by name).
+    ``torch.compile`` (which fuses the torch path itself), with a head_dim the kernels tile (a power
+    of two >= 16), and torch otherwise. Unlike the compression kernels, ``auto`` does not pick them
+    under ``TRITON_INTERPRET=1``: interpreted, every layer's scoring would take seconds (the kernel
+    tests ask for them by name).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown feature backend {backend!r}; expected auto, torch or triton")
     if backend != "auto":
         return backend
     needs_grad = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
-    if keys.is_cuda and not needs_grad and not torch.compiler.is_compiling() and triton_available():
+    dim = keys.shape[-1]
+    tileable = dim >= 16 and dim & (dim - 1) == 0
+    if keys.is_cuda and tileable and not needs_grad and not torch.compiler.is_compiling() and triton_available():
         return "triton"
     return "torch"
 

@@ -108,3 +108,15 @@ def test_query_feature_kernels_match_the_torch_path_on_cuda(dtype, kv_heads=8, g
                  features.head_output_norms(None, values, group, gram).mean(dim=2))  # the module: only for its gram
     for name, got, want in zip(("window mass", "expected logits", "output norm"), fused, reference):
         torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-3, msg=name)
+
+
+def test_auto_takes_the_feature_kernels_for_the_head_dims_they_tile():
+    from curkv_train.core.features import feature_backend
+
+    def backend(head_dim, requires_grad=False):
+        keys = torch.zeros(1, 2, 8, head_dim, device="cuda", requires_grad=requires_grad)
+        return feature_backend("auto", keys, keys)
+
+    assert backend(128) == backend(64) == "triton"
+    assert backend(80) == "torch"  # Phi-style heads: the torch path
+    assert backend(128, requires_grad=True) == "torch"
