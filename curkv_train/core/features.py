@@ -83,7 +83,7 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
         float_keys = keys.float()
         mass = window_mass(queries, float_keys, positions, query_positions)
         expected = expected_logits(mean, covariance, float_keys, scale)
-        output = head_output_norms(module, values, group, gram).mean(dim=2)
+        output = output_norms(module, values, group, gram)
     window = _log_share(F.avg_pool1d(mass, pool_kernel, stride=1, padding=pool_kernel // 2))
     expected = _log_share(expected.softmax(dim=-1).mean(dim=2))
     value_norm = values.float().norm(dim=-1).clamp_min(EPSILON).log()

@@ -49,7 +49,7 @@ def torch_parts(queries, query_positions, keys, positions, values, mean, covaria
     group = mean.shape[2]
     return (features.window_mass(queries, keys.float(), positions, query_positions),
             features.expected_logits(mean, covariance, keys.float(), scale),
-            features.head_output_norms(module, values, group, gram).mean(dim=2))
+            features.output_norms(module, values, group, gram))
 
 
 def assert_parts_close(args, module, atol=1e-5, rtol=1e-5):
