@@ -63,7 +63,7 @@ def instrumented() -> Iterator[None]:
             setattr(owner, name, original)
 
 
-def _zeros_like_keys(name: str) -> Callable[..., torch.Tensor]:
+def _zeros_standing_in_for(name: str) -> Callable[..., torch.Tensor]:
     """A stand-in for the torch-path function ``name`` of curkv_train.core.features: zeros of its output's shape."""
     shapes = {"window_mass": lambda queries, keys, *rest: keys.shape[:3],  # (b, h, n)
               "expected_logits": lambda mean, covariance, keys, scale: (*mean.shape[:3], keys.shape[2]),  # (b, h, g, n)
@@ -80,7 +80,7 @@ def skip_features(names: list[str]) -> None:
     """Replace the named query features' attention-sized parts by zeros in this process (the torch path: skipping
     forces it)."""
     for name in names:
-        setattr(features, SKIPPABLE[name], _zeros_like_keys(SKIPPABLE[name]))
+        setattr(features, SKIPPABLE[name], _zeros_standing_in_for(SKIPPABLE[name]))
     if names:
         force_feature_backend("torch")
 

@@ -13,6 +13,7 @@ from kvpress.presses.scorer_press import ScorerPress
 from torch import nn
 from transformers import PreTrainedModel
 
+from curkv_train.core.selection import compressible_mask
 from curkv_train.errors import CurKVError
 from curkv_train.runtime.allocation import LayerBudget, check_layer_budget_choice, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
@@ -98,7 +99,7 @@ class CurKVPress(ScorerPress):
                                          **self.scorer.prefill_inputs(self.model, module.layer_idx, hidden_states))
         n_sink = self.scorer.n_sink if self.n_sink is None else self.n_sink
         window = self.scorer.window if self.window is None else self.window
-        protected = (positions < n_sink) | (positions >= tokens - window)
+        protected = ~compressible_mask(tokens, n_sink, window, device=keys.device)
         return scores + PROTECTED_SCORE * protected.to(scores.dtype)
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
