@@ -171,7 +171,7 @@ def _check(queries, query_positions, keys, positions, values, mean, covariance, 
     group = mean.shape[2]
     expected = {"queries": (batch, kv_heads, queries.shape[2], dim), "values": (batch, kv_heads, tokens, dim),
                 "mean": (batch, kv_heads, group, dim), "covariance": (batch, kv_heads, group, dim, dim),
-                "gram": (kv_heads, group, dim, dim), "query_positions": (queries.shape[2],)}
+                "gram": (kv_heads, group, dim, dim), "query_positions": (queries.shape[2] // group,)}
     given = {"queries": queries, "values": values, "mean": mean, "covariance": covariance, "gram": gram,
              "query_positions": query_positions}
     for name, shape in expected.items():
@@ -194,7 +194,7 @@ def query_feature_parts_triton(queries: torch.Tensor, query_positions: torch.Ten
     Args:
         queries: (batch, kv_heads, R, head_dim) window rows, rotated and scaled
             (:func:`~curkv_train.core.features.window_queries`).
-        query_positions: (R,) each row's query position.
+        query_positions: (W,) the window's query positions; R = g·W rows, row g·W + w is query w.
         keys: (batch, kv_heads, tokens, head_dim) post-RoPE keys (any float dtype; unit stride along head_dim).
         positions: (tokens,) or (batch, kv_heads, tokens) the keys' positions.
         values: (batch, kv_heads, tokens, head_dim).
@@ -214,7 +214,7 @@ def query_feature_parts_triton(queries: torch.Tensor, query_positions: torch.Ten
     values = values if values.stride(-1) == 1 else values.contiguous()
     positions = positions.contiguous()
     queries, mean, covariance, gram = (t.float().contiguous() for t in (queries, mean, covariance, gram))
-    query_positions = query_positions.to(positions.dtype).contiguous()
+    query_positions = query_positions.to(positions.dtype).repeat(rows // query_positions.shape[0])  # (R,)
     kind = "interpret" if _interpreting() else "cuda"
     block_n, block_r = BLOCK_TOKENS[kind], BLOCK_ROWS[kind]
     n_blocks = triton.cdiv(tokens, block_n)

@@ -43,7 +43,7 @@ EPSILON = 1e-6
 def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, end: int, observation: Observation, *,
                    future_positions: int = 512, pool_kernel: int = 5, gram: torch.Tensor | None = None,
-                   backend: str = "auto") -> torch.Tensor:
+                   rotation: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
 
     Args:
@@ -60,6 +60,8 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
         pool_kernel: odd width of the window-attention pooling.
         gram: the layer's :func:`output_gram`, for a caller that looked it up already (a compiled scorer
             does, outside its graph: the lookup cannot be traced); default: looked up here.
+        rotation: :func:`future_rotation` for ``end``, for a caller that has it (every layer of a compression
+            round shares it); default: computed here.
         backend: who computes the attention-sized parts (:func:`feature_backend`): ``torch``, ``triton``
             (the fused kernels of :mod:`curkv_train.kernels.query_features_triton`) or ``auto``.
 
@@ -71,8 +73,10 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
     scale = getattr(module, "scaling", dim**-0.5)
     gram = output_gram(module, kv_heads, group) if gram is None else gram
     queries = window_queries(model, observation.queries.float(), observation.positions, kv_heads, scale)
-    query_positions = observation.positions.to(keys.device).repeat(group)  # row g·W + w is query w
-    mean, covariance = future_moments(model, observation.statistics, end, future_positions, kv_heads, keys)
+    query_positions = observation.positions.to(keys.device)
+    if rotation is None:
+        rotation = average_rotation(model, end, future_positions, keys.shape[-1], keys)
+    mean, covariance = future_moments(observation.statistics, rotation, kv_heads, keys)
     positions = positions.to(keys.device)
     if feature_backend(backend, keys, values) == "triton":
         from curkv_train.kernels.query_features_triton import query_feature_parts_triton
@@ -133,25 +137,46 @@ def window_mass(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
     """The attention each key gets from the window, averaged over its rows: (batch, kv_heads, tokens).
 
     Args:
-        queries: (batch, kv_heads, R, head_dim) :func:`window_queries`.
+        queries: (batch, kv_heads, g·W, head_dim) :func:`window_queries`; row g·W + w is query head g's query w.
         keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
         positions, query_positions: absolute positions of keys ((tokens,) or (batch, kv_heads,
-            tokens)) and of the rows (R,); a row sees keys at or before its position.
+            tokens)) and of the window's W queries (W,); a row sees keys at or before its query's position.
     """
-    logits = queries @ keys.transpose(-1, -2)  # (b, h, R, n)
-    future = positions.unsqueeze(-2) > query_positions.reshape(-1, 1)
-    # an additive mask: masked_fill with a mask broadcast over the rows takes several times longer
-    probs = logits.add_(torch.where(future, float("-inf"), 0.0)).softmax(dim=-1).nan_to_num_(0.0)
+    batch, kv_heads, rows, _ = queries.shape
+    window = query_positions.shape[0]
+    logits = queries @ keys.transpose(-1, -2)  # (b, h, g·W, n)
+    future = positions.unsqueeze(-2) > query_positions.reshape(-1, 1)  # (W, n) or (b, h, W, n)
+    # an additive (W, n) mask broadcast over the g query heads: masked_fill with a broadcast mask, or a
+    # (g·W, n) one, takes several times longer
+    logits = logits.view(batch, kv_heads, rows // window, window, -1).add_(
+        torch.where(future, float("-inf"), 0.0).unsqueeze(-3))
+    probs = logits.view(batch, kv_heads, rows, -1).softmax(dim=-1).nan_to_num_(0.0)
     return probs.mean(dim=2)  # the mean over rows is linear, as the pooling is: taken first, pooled R times less
 
 
-def future_moments(model: PreTrainedModel, statistics: QueryStatistics, end: int, future_positions: int,
-                   kv_heads: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def future_rotation(model: PreTrainedModel, end: int, future_positions: int, head_dim: int,
+                    like: torch.Tensor) -> torch.Tensor:
+    """(head_dim, head_dim) RoPE averaged over [end, end + future_positions) (:func:`~curkv_train.core.rope.
+    average_rotation`), kept on the model's rotary module for the last ``end`` asked: every layer of a
+    compression round asks for the same one."""
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        return average_rotation(model, end, future_positions, head_dim, like)
+    key = (end, future_positions, head_dim, like.device, rotary.inv_freq.data_ptr(), rotary.inv_freq._version)
+    cached = getattr(rotary, "_curkv_future_rotation", None)
+    if cached is None or cached[0] != key:
+        cached = (key, average_rotation(model, end, future_positions, head_dim, like))
+        rotary._curkv_future_rotation = cached
+    return cached[1]
+
+
+def future_moments(statistics: QueryStatistics, rotation: torch.Tensor, kv_heads: int,
+                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The queries' mean (batch, kv_heads, g, head_dim) and covariance (batch, kv_heads, g, head_dim, head_dim)
-    rotated by RoPE averaged over [end, end + future_positions): the Gaussian future query of each query head."""
+    rotated by ``rotation`` (head_dim, head_dim), RoPE averaged over the coming positions
+    (:func:`future_rotation`): the Gaussian future query of each query head."""
     batch, dim = keys.shape[0], keys.shape[3]
     mean, covariance = statistics.mean(), statistics.covariance()
-    rotation = average_rotation(model, end, future_positions, dim, keys)
     mean = (mean @ rotation.T).reshape(batch, kv_heads, -1, dim)
     covariance = (rotation @ covariance @ rotation.T).reshape(batch, kv_heads, -1, dim, dim)
     return mean, covariance

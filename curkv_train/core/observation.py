@@ -9,12 +9,26 @@ what the runtime cache records as tokens arrive.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
+
+
+@functools.cache
+def packing(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """How a symmetric (head_dim, head_dim) matrix packs as its upper triangle: the flat square index of
+    each triangle entry (head_dim·(head_dim + 1)/2,), and the triangle index of each square entry
+    (head_dim²,). Made once per (head_dim, device): the first is used at every decoding step."""
+    rows, cols = torch.triu_indices(head_dim, head_dim, device=device)
+    square = torch.empty(head_dim, head_dim, dtype=torch.long, device=device)
+    entries = torch.arange(rows.shape[0], device=device)
+    square[rows, cols] = entries
+    square[cols, rows] = entries
+    return rows * head_dim + cols, square.flatten()
 
 
 class QueryStatistics:
@@ -29,6 +43,7 @@ class QueryStatistics:
         self.count = 0
         self.total: torch.Tensor | None = None
         self.outer: torch.Tensor | None = None  # packed upper triangle of Σ q qᵀ
+        self.square: torch.Tensor | None = None  # :func:`packing`'s unpacking index, shared, set by update
 
     @classmethod
     def of(cls, queries: torch.Tensor) -> "QueryStatistics":
@@ -40,8 +55,8 @@ class QueryStatistics:
     def update(self, queries: torch.Tensor) -> None:
         """Add queries (batch, heads, tokens, head_dim)."""
         queries = queries.detach().float()
-        rows, cols = torch.triu_indices(queries.shape[-1], queries.shape[-1], device=queries.device)
-        total, outer = queries.sum(dim=2), (queries.transpose(-1, -2) @ queries)[..., rows, cols]
+        triangle, self.square = packing(queries.shape[-1], queries.device)
+        total, outer = queries.sum(dim=2), (queries.transpose(-1, -2) @ queries).flatten(-2)[..., triangle]
         self.total = total if self.total is None else self.total + total
         self.outer = outer if self.outer is None else self.outer + outer
         self.count += queries.shape[2]
@@ -54,10 +69,8 @@ class QueryStatistics:
         """(batch, heads, head_dim, head_dim) covariance (normalised by the count, as ExpectedAttention)."""
         mean = self.mean()
         head_dim = mean.shape[-1]
-        rows, cols = torch.triu_indices(head_dim, head_dim, device=mean.device)
-        second = self.outer.new_zeros(*self.outer.shape[:-1], head_dim, head_dim)
-        second[..., rows, cols] = self.outer
-        second[..., cols, rows] = self.outer
+        # the index comes from update, not packing(): a compiled scorer traces this, and would trace the cache
+        second = self.outer[..., self.square].unflatten(-1, (head_dim, head_dim))
         return second / self.count - mean[..., :, None] * mean[..., None, :]
 
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from curkv_train.core.features import output_gram
+from curkv_train.core.features import future_rotation, output_gram
 from curkv_train.core.observation import Observation, attention_module, observe_queries, pre_rope_queries
 from curkv_train.core.rope import key_view
 from curkv_train.errors import CurKVError
@@ -105,23 +105,26 @@ class Scorer:
                              f"layer {layer}; none was recorded")
         self.estimator.to(keys.device)
         module = attention_module(model, layer)
-        gram = None
+        gram = rotation = None
         if "query_features" in self.estimator.needs:  # looked up here, outside what compiled() compiles
             gram = output_gram(module, keys.shape[1], observation.queries.shape[1] // keys.shape[1])
+            rotation = future_rotation(model, end, self.estimator.future_positions, keys.shape[-1], keys)
         return self.layer_logits(model, module, layer_index(layer, keys.device), keys, values, positions, end,
-                                 observation, token_scores, gram)
+                                 observation, token_scores, gram, rotation)
 
     def layer_logits(self, model: PreTrainedModel, module: nn.Module, layers: torch.Tensor, keys: torch.Tensor,
                      values: torch.Tensor, positions: torch.Tensor, end: int, observation: Observation | None,
-                     token_scores: torch.Tensor | None, gram: torch.Tensor | None = None) -> torch.Tensor:
+                     token_scores: torch.Tensor | None, gram: torch.Tensor | None = None,
+                     rotation: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor work of :meth:`score_layer` (features, key view, estimator) for the layer whose attention
         module is ``module`` and index ``layers`` (1,): what :meth:`compiled` compiles, in one graph when the
-        layer's :func:`~curkv_train.core.features.output_gram` comes in as ``gram``. Returns (batch, kv_heads,
-        tokens) float32 logits."""
+        layer's :func:`~curkv_train.core.features.output_gram` and the round's
+        :func:`~curkv_train.core.features.future_rotation` come in as ``gram`` and ``rotation``. Returns
+        (batch, kv_heads, tokens) float32 logits."""
         features = None
         if "query_features" in self.estimator.needs:
             features = self.estimator.query_features(model, module, keys, values, positions, end, observation,
-                                                     gram)[None]
+                                                     gram, rotation)[None]
         inputs = EstimatorInputs(key_view(model, keys, positions, self.key_view, end)[None], values.float()[None],
                                  positions, end, query_features=features,
                                  token_scores=None if token_scores is None else token_scores[None])

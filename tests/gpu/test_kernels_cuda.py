@@ -94,7 +94,7 @@ def test_query_feature_kernels_match_the_torch_path_on_cuda(dtype, kv_heads=8, g
 
     keys, values = (randn(1, kv_heads, tokens, head_dim).to(dtype) for _ in range(2))
     queries = randn(1, kv_heads, group * window, head_dim) * head_dim**-0.5
-    query_positions = torch.arange(tokens - window, tokens, device="cuda").repeat(group)
+    query_positions = torch.arange(tokens - window, tokens, device="cuda")
     positions = torch.arange(tokens, device="cuda")
     mean = randn(1, kv_heads, group, head_dim)
     factor = randn(1, kv_heads, group, head_dim, head_dim) / head_dim

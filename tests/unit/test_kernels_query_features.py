@@ -34,7 +34,7 @@ def parts_inputs(batch=2, kv_heads=2, group=2, window=5, tokens=37, head_dim=16,
         end = int(positions.max()) + 1
     else:
         positions, end = torch.arange(tokens), tokens
-    query_positions = torch.arange(end - window, end).repeat(group)
+    query_positions = torch.arange(end - window, end)
     queries = torch.randn(batch, kv_heads, group * window, head_dim, generator=gen)
     mean = torch.randn(batch, kv_heads, group, head_dim, generator=gen)
     factor = torch.randn(batch, kv_heads, group, head_dim, head_dim, generator=gen) / head_dim**0.5

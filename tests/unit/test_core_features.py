@@ -1,0 +1,58 @@
+"""The torch path of the query features against plain per-row references, and the rotation shared by a round."""
+
+import torch
+
+from curkv_train.core import features
+from curkv_train.core.rope import average_rotation
+
+
+def naive_window_mass(queries, keys, positions, query_positions):
+    """Each row's softmax over the keys at or before its query's position, averaged over rows, one at a time."""
+    batch, kv_heads, rows, _ = queries.shape
+    window = query_positions.shape[0]
+    mass = torch.zeros(batch, kv_heads, keys.shape[2])
+    for b in range(batch):
+        for h in range(kv_heads):
+            head_positions = positions if positions.dim() == 1 else positions[b, h]
+            for row in range(rows):
+                visible = head_positions <= query_positions[row % window]
+                if visible.any():
+                    logits = keys[b, h, visible] @ queries[b, h, row]
+                    mass[b, h, visible] += logits.softmax(dim=0) / rows
+    return mass
+
+
+def test_window_mass_masks_each_query_heads_rows_by_their_query_position():
+    gen = torch.Generator().manual_seed(0)
+    batch, kv_heads, group, window, tokens, dim = 2, 2, 3, 4, 19, 8
+    positions = torch.stack([torch.randperm(40, generator=gen)[:tokens].sort().values
+                             for _ in range(batch * kv_heads)]).reshape(batch, kv_heads, tokens)
+    query_positions = torch.tensor([1, 20, 33, 39])  # the first query sees no key of some heads
+    queries = torch.randn(batch, kv_heads, group * window, dim, generator=gen)
+    keys = torch.randn(batch, kv_heads, tokens, dim, generator=gen)
+    for token_positions in (positions, torch.arange(tokens) * 2):
+        torch.testing.assert_close(features.window_mass(queries, keys, token_positions, query_positions),
+                                   naive_window_mass(queries, keys, token_positions, query_positions))
+
+
+def test_expected_logits_are_each_query_heads_gaussian_logits():
+    gen = torch.Generator().manual_seed(1)
+    mean, keys = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 11, 8, generator=gen)
+    factor = torch.randn(1, 2, 3, 8, 8, generator=gen)
+    covariance = factor @ factor.transpose(-1, -2)
+    scale = 0.3
+    reference = torch.stack([torch.stack([torch.stack([
+        scale * keys[0, h, j] @ mean[0, h, g] + 0.5 * scale**2 * keys[0, h, j] @ covariance[0, h, g] @ keys[0, h, j]
+        for j in range(11)]) for g in range(3)]) for h in range(2)])[None]
+    torch.testing.assert_close(features.expected_logits(mean, covariance, keys, scale), reference)
+
+
+def test_future_rotation_is_computed_once_per_end_and_matches_average_rotation(model):
+    like = torch.zeros(1)
+    dim = model.config.hidden_size // model.config.num_attention_heads
+    first = features.future_rotation(model, 100, 32, dim, like)
+    assert features.future_rotation(model, 100, 32, dim, like) is first  # every layer of the round: one rotation
+    later = features.future_rotation(model, 164, 32, dim, like)
+    torch.testing.assert_close(first, average_rotation(model, 100, 32, dim, like))
+    torch.testing.assert_close(later, average_rotation(model, 164, 32, dim, like))
+    assert not torch.allclose(first, later)
