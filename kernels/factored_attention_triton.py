@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from curkv_train.kernels.dispatch import MIN_BLOCK, check_head_dim
 from curkv_train.kernels.reference import Factors
 from curkv_train.kernels.scored_attention_triton import (
-    MIN_BLOCK,
     SUPPORTED_DTYPES,
     _dot,
     _finite_or_zero,
@@ -300,8 +300,7 @@ def _validate(q: torch.Tensor, cold_keys: Sequence[Factors], cold_values: Sequen
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, kv_heads, N, {head_dim})")
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
-    if head_dim < MIN_BLOCK or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= {MIN_BLOCK}, got {head_dim}")
+    check_head_dim(head_dim)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
     if len(cold_keys) != len(cold_values):

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from curkv_train.kernels.scored_attention_triton import MIN_BLOCK, _dot, _interpreting
+from curkv_train.kernels.dispatch import check_head_dim
+from curkv_train.kernels.scored_attention_triton import _dot, _interpreting
 
 BLOCK_TOKENS = {"cuda": 64, "interpret": 16}
 BLOCK_ROWS = {"cuda": 64, "interpret": 16}
@@ -179,8 +180,7 @@ def _check(queries, query_positions, keys, positions, values, mean, covariance, 
             raise ValueError(f"{name} must be {shape}, got {tuple(given[name].shape)}")
     if positions.shape not in ((tokens,), (batch, kv_heads, tokens)):
         raise ValueError(f"positions must be ({tokens},) or {(batch, kv_heads, tokens)}, got {tuple(positions.shape)}")
-    if dim < MIN_BLOCK or dim & (dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= {MIN_BLOCK}, got {dim}")
+    check_head_dim(dim)
     if not keys.is_cuda and not _interpreting():
         raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
 

@@ -34,10 +34,11 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from curkv_train.kernels.dispatch import MIN_BLOCK, check_head_dim
+
 # Block sizes under the interpreter (CPU), capped by the problem size; on CUDA the
 # kernels are autotuned over the configs below unless the caller fixes the blocks.
 INTERPRET_MAX_BLOCK = 64
-MIN_BLOCK = 16
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _FWD_CONFIGS = [
@@ -362,8 +363,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch
             f"key_bias must be (batch, kv_heads, N) = {(batch, kv_heads, num_keys)}, "
             f"got {tuple(key_bias.shape)}"
         )
-    if head_dim < MIN_BLOCK or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= {MIN_BLOCK}, got {head_dim}")
+    check_head_dim(head_dim)
     if len({q.device, k.device, v.device, key_bias.device}) != 1:
         raise ValueError("q, k, v and key_bias must be on the same device")
     if q.dtype != k.dtype or q.dtype != v.dtype:

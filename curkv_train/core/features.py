@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import average_rotation, rotary_tables, rotate
-from curkv_train.kernels.dispatch import triton_available
+from curkv_train.kernels.dispatch import tileable_head_dim, triton_available
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
 EPSILON = 1e-6
@@ -110,8 +110,7 @@ def feature_backend(backend: str, keys: torch.Tensor, values: torch.Tensor) -> s
     if backend != "auto":
         return backend
     needs_grad = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
-    dim = keys.shape[-1]
-    tileable = dim >= 16 and dim & (dim - 1) == 0
+    tileable = tileable_head_dim(keys.shape[-1])
     if keys.is_cuda and tileable and not needs_grad and not torch.compiler.is_compiling() and triton_available():
         return "triton"
     return "torch"

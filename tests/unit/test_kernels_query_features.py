@@ -10,6 +10,7 @@ import torch
 
 from curkv_train.core import features
 from curkv_train.core.observation import Observation, QueryStatistics
+from curkv_train.kernels.dispatch import tileable_head_dim
 from curkv_train.kernels.query_features_triton import merge_row_partials, query_feature_parts_triton
 
 
@@ -133,3 +134,13 @@ def test_bad_shapes_are_refused():
     queries, query_positions, keys, *rest = args
     with pytest.raises(ValueError, match="query_positions must be"):
         query_feature_parts_triton(queries, query_positions[:-1], keys, *rest)
+
+
+def test_head_dims_the_kernels_do_not_tile_are_refused_with_the_rule():
+    args, _ = parts_inputs(head_dim=16)
+    queries, query_positions, keys, positions, values, mean, covariance, gram, scale = args
+    cut = (queries[..., :12], query_positions, keys[..., :12], positions, values[..., :12], mean[..., :12],
+           covariance[..., :12, :12], gram[..., :12, :12], scale)
+    with pytest.raises(ValueError, match="head_dim must be a power of two >= 16, got 12"):
+        query_feature_parts_triton(*cut)
+    assert [tileable_head_dim(dim) for dim in (8, 16, 64, 80, 128)] == [False, True, True, False, True]
