@@ -60,7 +60,7 @@ from transformers import DynamicCache
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime import CurKVCache, load_scorer
 from curkv_train.runtime.layer import CurKVLayer
-from timing import TIMERS, timed  # benchmarks/timing.py, beside this script
+from timing import TIMERS, product_ms, timed  # benchmarks/timing.py, beside this script
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -228,12 +228,13 @@ def main() -> None:
     scorer = load_scorer(args.scorer, model=model)
     prompts = {context: stdlib_prompt(tokenizer, context) for context in args.contexts}
     print(f"{args.base}, scorer {args.scorer}, {args.threads} threads, {args.new_tokens} new tokens, "
-          f"attention {model.config._attn_implementation}", flush=True)
+          f"attention {model.config._attn_implementation}; host check: {product_ms():.2f} ms", flush=True)
     results = []
     for context, prompt in prompts.items():
         rows = run_context(model, scorer, prompt, args)
         print_table(rows)
         results += rows
+    print(f"host check at the end: {product_ms():.2f} ms (timing.product_ms)")
     for row in results:
         row.pop("tokens")
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))

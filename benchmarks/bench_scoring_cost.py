@@ -45,7 +45,7 @@ from curkv_train.models.configs import load_model_config
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
 from curkv_train.runtime.layer import CurKVLayer
-from timing import TIMERS, clock, timed  # benchmarks/timing.py, beside this script
+from timing import TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
 
 
 @contextmanager
@@ -187,6 +187,7 @@ def main() -> None:
                        dtype=getattr(torch, args.dtype), device=args.device)
     scorer = make_scorer(args.scorer, model)
     scorer = scorer.compiled() if args.compile else scorer  # compiled by the warm-up prefill, not timed
+    print(f"host check: {product_ms(args.device):.2f} ms (timing.product_ms)")
     print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")
     rows = []
     for context in map(int, args.contexts.split(",")):
@@ -196,7 +197,7 @@ def main() -> None:
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
               f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "
               f"{row['overhead_share']:>9.1%}")
-    print("shares are of the plain prefill; target: score <= 5 %")
+    print(f"shares are of the plain prefill; target: score <= 5 %; host check at the end: {product_ms(args.device):.2f} ms")
     for row in rows:
         print(json.dumps(row))
 

@@ -36,3 +36,18 @@ def timed(name: str, method: Callable) -> Callable:
             TIMERS[name] += clock() - start
 
     return wrapper
+
+
+def product_ms(device: str = "cpu", repeats: int = 50) -> float:
+    """Fastest of ``repeats`` runs of one fixed fp32 product (a 1K-token layer's expected-attention quadratic form,
+    (3, 3, 1024, 64) @ (3, 3, 64, 64)), in ms: printed at a benchmark's start and end so a reader can tell a run
+    made while a shared host ran slow (the same product has taken 0.49 and 1.6–1.8 ms on two threads of one VM)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    keys = torch.randn(1, 3, 1, 1024, 64, device=device, generator=generator)
+    covariance = torch.randn(1, 3, 3, 64, 64, device=device, generator=generator)
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        keys @ covariance
+        best = min(best, clock() - start)
+    return best * 1e3
