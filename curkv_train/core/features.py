@@ -60,8 +60,8 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
         pool_kernel: odd width of the window-attention pooling.
         gram: the layer's :func:`output_gram`, for a caller that looked it up already (a compiled scorer
             does, outside its graph: the lookup cannot be traced); default: looked up here.
-        rotation: :func:`future_rotation` for ``end``, for a caller that has it (every layer of a compression
-            round shares it); default: computed here.
+        rotation: :func:`future_rotation` for ``end``, for a caller that looked it up already (a compiled scorer
+            does, outside its graph, as for ``gram``); default: looked up here.
         backend: who computes the attention-sized parts (:func:`feature_backend`): ``torch``, ``triton``
             (the fused kernels of :mod:`curkv_train.kernels.query_features_triton`) or ``auto``.
 
@@ -75,7 +75,7 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
     queries = window_queries(model, observation.queries.float(), observation.positions, kv_heads, scale)
     query_positions = observation.positions.to(keys.device)
     if rotation is None:
-        rotation = average_rotation(model, end, future_positions, keys.shape[-1], keys)
+        rotation = future_rotation(model, end, future_positions, keys.shape[-1], keys)
     mean, covariance = future_moments(observation.statistics, rotation, kv_heads, keys)
     positions = positions.to(keys.device)
     if feature_backend(backend, keys, values) == "triton":
@@ -153,6 +153,7 @@ def window_mass(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
     return probs.mean(dim=2)  # the mean over rows is linear, as the pooling is: taken first, pooled R times less
 
 
+@torch.compiler.disable  # a cache lookup, like output_gram: traced, its key would be a guard
 def future_rotation(model: PreTrainedModel, end: int, future_positions: int, head_dim: int,
                     like: torch.Tensor) -> torch.Tensor:
     """(head_dim, head_dim) RoPE averaged over [end, end + future_positions) (:func:`~curkv_train.core.rope.

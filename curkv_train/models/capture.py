@@ -19,7 +19,6 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.attention import CompressionState
-from curkv_train.core.features import future_rotation
 from curkv_train.core.observation import (HiddenRecorder, Observation, attention_module, observe_queries,
                                           pre_rope_queries)
 from curkv_train.core.rope import key_view
@@ -132,12 +131,10 @@ def estimator_inputs(model: PreTrainedModel, estimator: nn.Module, capture: Cont
     features = token_scores = None
     if "query_features" in estimator.needs:
         with torch.no_grad():
-            rotation = future_rotation(model, end, estimator.future_positions, values.shape[-1], values)
             features = torch.stack([
                 estimator.query_features(model, attention_module(model, layer), keys[layer], values[layer],
                                          positions, end, capture.observation(model, layer, end,
-                                                                             estimator.statistics_skip),
-                                         rotation=rotation)
+                                                                             estimator.statistics_skip))
                 for layer in layers])
     if "token_scores" in estimator.needs:
         hidden = torch.stack([capture.hidden[layer][:, :end] for layer in layers])
