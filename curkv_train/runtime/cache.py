@@ -204,14 +204,15 @@ class CurKVCache(Cache):
         return shape.num_layers * shape.num_kv_heads * per_head
 
     def observation_bytes(self) -> int:
-        """Bytes the observation takes whatever the length (window of hidden states and query moments)."""
+        """Bytes the observation takes once filled, whatever the length: per layer the ring of the window's
+        pre-RoPE queries (query heads × head_dim wide, which need not be the hidden size) and their moments."""
         shape = kv_shape(self.model.config)
         window = self.scorer.observation_window
         if not window:
             return 0
         element = torch.empty((), dtype=self.model.dtype).element_size()
-        moments = QueryStatistics.nbytes_for(shape.num_attention_heads, shape.head_dim)
-        return shape.num_layers * (window * shape.hidden_size * element + moments)
+        ring = window * shape.num_attention_heads * shape.head_dim * element
+        return shape.num_layers * (ring + QueryStatistics.nbytes_for(shape.num_attention_heads, shape.head_dim))
 
     def tokens_within(self, max_bytes: int) -> int:
         """Tokens per (layer, KV head) a budget of ``max_bytes`` for the whole cache pays for (batch 1)."""

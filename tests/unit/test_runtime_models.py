@@ -59,3 +59,18 @@ def test_per_head_positions_score_like_shared_positions(scorer, view):
     other = viewed.score_layer(model, 1, keys, values, sparse, end=42)
     torch.testing.assert_close(per_head[:, 0], shared[:, 0])
     torch.testing.assert_close(per_head[:, 1], other[:, 1])
+
+
+def test_observation_bytes_count_the_query_ring_when_heads_are_wider_than_the_hidden_size():
+    """Qwen3-style: 4 query heads of 32 = 128 query channels over a hidden size of 64. The byte budget's
+    observation term must be what the buffers hold once filled (the ring of queries and their moments)."""
+    from curkv_train.core.shapes import kv_shape
+    from curkv_train.models.estimators import build_estimator
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**{**SHAPES, "head_dim": 32})).eval()
+    estimator = build_estimator("query_aware", kv_shape(model.config), observation_window=8).eval()
+    cache = CurKVCache(Scorer(estimator, n_sink=4, window=16), model=model, keep_ratio=0.5, backend="torch")
+    with torch.no_grad():
+        model(torch.randint(3, 512, (1, 60), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+    assert cache.observation_bytes() == sum(layer.observer.nbytes() for layer in cache.layers)
