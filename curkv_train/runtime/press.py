@@ -88,12 +88,18 @@ class CurKVPress(ScorerPress):
         """Estimator logits (batch, kv_heads, tokens) for ``module.layer_idx``, sinks and window lifted.
 
         Args:
+            hidden_states: (batch, tokens, hidden_size) the prefill's attention inputs, one per cached token.
             keys: (batch, kv_heads, tokens, head_dim) post-RoPE keys of the prefilled context.
             values: (batch, kv_heads, tokens, head_dim) values.
         """
         if self.model is None or not isinstance(self.scorer, Scorer):
             raise CurKVError("CurKVPress is used outside `with press(model):`; call press.post_init_from_model(model)")
         tokens = keys.shape[2]
+        if hidden_states.shape[1] != tokens:  # shapes only: nothing read back from the device
+            raise CurKVError(f"CurKVPress scores a prefill's tokens at positions 0..n-1 from that prefill's hidden "
+                             f"states, but got {hidden_states.shape[1]} hidden states for {tokens} cached tokens "
+                             "(kvpress's DecodingPress, or a cache that held tokens before this forward); "
+                             "use CurKVCache to compress while decoding")
         positions = torch.arange(tokens, device=keys.device)
         scores = self.scorer.score_layer(self.model, module.layer_idx, keys, values, positions,
                                          **self.scorer.prefill_inputs(self.model, module.layer_idx, hidden_states))

@@ -112,3 +112,19 @@ def test_a_layer_budget_gives_each_layer_its_ratio_and_generation_runs(scorer):
     assert lengths["uniform"] == [compute_n_kept(120, 0.5)] * 2
     with pytest.raises(CurKVError, match="layer_budget must be"):
         CurKVPress(scorer=budgeted, compression_ratio=0.5, layer_budget="pyramid")
+
+
+def test_decoding_press_over_curkv_press_is_refused(model, scorer):
+    """kvpress's DecodingPress hands its base press the hidden states of the last steps only, and a cache whose
+    tokens are not at positions 0..n-1 once it has compressed: CurKVPress would score them as a fresh prefill."""
+    from kvpress import DecodingPress
+
+    from curkv_train.errors import CurKVError
+
+    press = DecodingPress(base_press=CurKVPress(scorer=scorer), compression_interval=4, target_size=40)
+    ids = torch.randint(3, 512, (1, 60), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with torch.no_grad(), press(model), pytest.raises(CurKVError, match="DecodingPress"):
+        model(ids, past_key_values=cache)
+        for _ in range(4):
+            model(torch.tensor([[5]]), past_key_values=cache)
