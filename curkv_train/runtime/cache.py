@@ -109,8 +109,10 @@ class CurKVCache(Cache):
         compensation_ratio: share of a block's entries kept as residual.
         max_tokens: a fixed-memory budget: at most this many tokens held per (layer, KV head),
             all tiers counted, however long generation runs (without it the cache holds ρ of the
-            tokens seen); ρ still applies while it holds fewer. Must cover n_sink + the hot tier
-            + window − 1 tokens arriving between compressions.
+            tokens seen); ρ still applies while it holds fewer. Under a layer budget it bounds the mean
+            over layers, to a token per layer's rounding (a sensitive layer may hold more, another less).
+            Must cover n_sink + the hot tier + the ``compress_every`` windows − 1 tokens arriving between
+            compressions.
         max_bytes: the budget in bytes for the whole cache (what a server sizes by), turned into
             ``max_tokens`` with every token counted as dense (cold tokens cost less, so the
             bytes held stay below it); with both, the smaller budget wins.
