@@ -166,6 +166,22 @@ def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
     """
     folder = resolve_scorer_dir(path)
     record = _read_record(folder / CONFIG_FILE)
+    weights_path = _checked_weights(folder, record)
+    entry = record.get("estimator")
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        raise CurKVError(f"{folder / CONFIG_FILE} has no estimator entry with a config (the constructor "
+                         "arguments); re-export the scorer")
+    estimator = _load_estimator(entry, weights_path).to(device).eval().requires_grad_(False)
+    settings = record.get("settings", {})
+    scorer = Scorer(estimator, metadata=record, layer_budget=_layer_budget(record, config_path=folder / CONFIG_FILE),
+                    **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
+    if model is not None:
+        check_scorer_fits(scorer, model)
+    return scorer
+
+
+def _checked_weights(folder: Path, record: dict) -> Path:
+    """The weights file scorer.json names, present and with the sha256 it records; else a one-line error."""
     weights_path = folder / record.get("weights", {}).get("file", WEIGHTS_FILE)
     if not weights_path.is_file():
         raise CurKVError(f"weights file {weights_path} is missing; re-export the scorer")
@@ -174,13 +190,7 @@ def load_scorer(path: str | os.PathLike, model: PreTrainedModel | None = None,
     if expected != actual:
         raise CurKVError(f"sha256 of {weights_path} is {actual}, scorer.json records {expected}: "
                          "the file is corrupt or was changed; re-export or re-download it")
-    estimator = _load_estimator(record["estimator"], weights_path).to(device).eval().requires_grad_(False)
-    settings = record.get("settings", {})
-    scorer = Scorer(estimator, metadata=record, layer_budget=_layer_budget(record, config_path=folder / CONFIG_FILE),
-                    **{k: settings[k] for k in SCORER_SETTINGS if k in settings})
-    if model is not None:
-        check_scorer_fits(scorer, model)
-    return scorer
+    return weights_path
 
 
 def _layer_budget(record: dict, config_path: Path) -> LayerBudget | None:

@@ -114,6 +114,21 @@ def test_unsupported_format_version(exported):
         load_scorer(exported)
 
 
+@pytest.mark.parametrize("damage", ["no estimator", "no config", "config not a mapping"])
+def test_a_malformed_estimator_entry_is_one_clear_error(exported, damage):
+    path = exported / CONFIG_FILE
+    record = json.loads(path.read_text())
+    if damage == "no estimator":
+        del record["estimator"]
+    elif damage == "no config":
+        del record["estimator"]["config"]
+    else:
+        record["estimator"]["config"] = [1, 2]
+    path.write_text(json.dumps(record))
+    with pytest.raises(CurKVError, match="estimator"):
+        load_scorer(exported)
+
+
 def test_missing_folder_and_existing_output(exported, checkpoint_path, tmp_path):
     with pytest.raises(CurKVError, match="no scorer.json"):
         load_scorer(tmp_path / "nothing")
