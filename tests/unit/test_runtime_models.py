@@ -4,8 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
-from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.core.rope import KEY_VIEWS
+from curkv_train.core.shapes import kv_shape
+from curkv_train.models.base import TINY_RANDOM, load_base_model
+from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer
 from runtime_helpers import random_scorer
 
@@ -64,9 +66,6 @@ def test_per_head_positions_score_like_shared_positions(scorer, view):
 def test_observation_bytes_count_the_query_ring_when_heads_are_wider_than_the_hidden_size():
     """Qwen3-style: 4 query heads of 32 = 128 query channels over a hidden size of 64. The byte budget's
     observation term must be what the buffers hold once filled (the ring of queries and their moments)."""
-    from curkv_train.core.shapes import kv_shape
-    from curkv_train.models.estimators import build_estimator
-
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3Config(**{**SHAPES, "head_dim": 32})).eval()
     estimator = build_estimator("query_aware", kv_shape(model.config), observation_window=8).eval()
