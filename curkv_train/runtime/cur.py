@@ -43,7 +43,8 @@ class CurFactors:
 
     Attributes:
         columns: (..., n, c) C, the selected channels of every token (M's dtype).
-        core: (..., c, r) U = pinv(M[I, J]), float32 (float64 for float64 input).
+        core: (..., c, r) U (``optimal`` pinv(C)·M·pinv(R) or ``intersection`` pinv(M[I, J]), see
+              :func:`cur_decompose`), float32 (float64 for float64 input).
         rows: (..., r, d) R, the selected tokens (M's dtype).
         residual_values: (..., m) the kept residual entries, or None.
         residual_index: (..., m) their flat indices into n·d (narrowest int dtype), or None.
