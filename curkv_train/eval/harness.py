@@ -82,6 +82,8 @@ class EvalSettings:
         if bad or not self.ratios:
             raise CurKVError(f"compression ratios must lie in [0, 1) (0.7 drops 70 % of the compressible "
                              f"tokens), got {self.ratios}")
+        if len(set(self.ratios)) != len(self.ratios):
+            raise CurKVError(f"compression ratios repeat ({self.ratios}); give each ratio once")
         if self.max_batch < 1:
             raise CurKVError(f"the continuation batch must be at least 1, got {self.max_batch}")
         self.bootstrap = Bootstrap(resamples=self.resamples, seed=self.seed)  # 95 %, every interval and verdict

@@ -82,6 +82,7 @@ def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
         (["--methods", "curkv"], "needs a trained scorer"),
         (["--context_length", "60"], "must exceed n_sink + window (4 + 64)"),
         (["--ratios", "0.5,1.0"], "must lie in [0, 1)"),
+        (["--ratios", "0.3,0.5,0.5"], "compression ratios repeat"),
         (["--examples", "many"], "examples"),
     ],
 )
