@@ -78,6 +78,9 @@ def memory_settings(ratios: list[float], budget_tokens: list[int] | None = None,
     if not settings:
         raise CurKVError("the streaming task needs a compression ratio or a budget (--ratios, --budget_tokens, "
                          "--budget_bytes)")
+    labels = [setting.label for setting in settings]
+    if len(set(labels)) != len(labels):  # one results cell per label: a repeat would drop rows
+        raise CurKVError(f"memory settings repeat ({', '.join(labels)}); give each ratio or budget once")
     return settings
 
 

@@ -293,3 +293,10 @@ def test_held_bytes_of_a_plain_cache_are_its_key_value_tensors(model):
         model(tokens(50), past_key_values=cache)
     assert held_bytes(cache) == sum(t.numel() * t.element_size() for layer in cache.layers
                                     for t in (layer.keys, layer.values))
+
+
+@pytest.mark.parametrize("budgets", [{"ratios": [0.5, 0.5]}, {"ratios": [], "budget_bytes": [1_000_000, 1_000_001]}])
+def test_repeated_memory_settings_are_refused(budgets):
+    """Two settings with one label would share a results cell and drop its rows."""
+    with pytest.raises(CurKVError, match="memory settings repeat"):
+        memory_settings(**budgets)
