@@ -166,9 +166,7 @@ class CurKVModule(L.LightningModule):
             input_ids: (batch, context + continuation) token ids.
             context_length: tokens of the compressed context.
         """
-        positions = self.base.config.max_position_embeddings
-        if input_ids.shape[1] > positions:
-            raise CurKVError(f"sequence of {input_ids.shape[1]} tokens exceeds the model's {positions} positions")
+        self.check_positions(input_ids.shape[1], "sequence")
         return prefill_context(self.base, input_ids[:, :context_length], record_hidden=bool(self.estimator.needs))
 
     @torch.no_grad()
@@ -177,13 +175,44 @@ class CurKVModule(L.LightningModule):
         state = CompressionState("full", capture.context_length, backend=self.hparams.backend)
         return continue_from(self.base, capture, continuation, state)
 
-    def dense_target(self, capture: ContextCapture) -> torch.Tensor:
-        """Reconstruction scores (layers, batch, kv_heads, context) of the context (the dense target)."""
+    def check_positions(self, tokens: int, what: str) -> None:
+        """A CurKVError if ``tokens`` positions exceed the base model's position limit."""
+        positions = self.base.config.max_position_embeddings
+        if tokens > positions:
+            raise CurKVError(f"{what} of {tokens} tokens exceeds the model's {positions} positions")
+
+    def check_stage(self, settings: TrainingSettings, context_length: int) -> None:
+        """A CurKVError if ``settings`` cannot train on ``context_length``-token contexts.
+
+        Streaming rounds must each leave tokens to compete (the first round's end past the sinks
+        and hot tier), and the reconstruction pass (warm start or ``dense_weight``: context,
+        prompt, context again) must fit the base's positions.
+        """
+        hp = self.hparams
+        if settings.streaming_rounds:
+            stride = settings.compress_every * hp.window
+            first = streaming_ends(context_length, settings.streaming_rounds, stride)[0]
+            protected = hp.n_sink + settings.hot_windows * hp.window
+            if first <= protected:
+                raise CurKVError(f"{settings.streaming_rounds} streaming rounds {stride} tokens apart start at token "
+                                 f"{first} of a {context_length}-token context, not past the {protected} sink and hot "
+                                 "tokens: use fewer rounds, a smaller compress_every or hot_windows, or longer contexts")
+        if settings.warm_start or hp.dense_weight:
+            self.check_positions(2 * context_length + len(self.prompt_ids()), "the reconstruction pass")
+
+    def prompt_ids(self) -> torch.Tensor:
+        """(prompt,) token ids of the reconstruction instruction, tokenized once."""
         if self.reconstruction_prompt is None:
             tokenizer = load_tokenizer(self.hparams.base_model, fallback=self.hparams.base_fallback)
             ids = tokenizer(RECONSTRUCTION_PROMPT, add_special_tokens=False)["input_ids"]
             self.reconstruction_prompt = torch.tensor(ids, dtype=torch.long)
-        return reconstruction_target(self.base, capture, self.reconstruction_prompt, backend=self.hparams.backend)
+        return self.reconstruction_prompt
+
+    def dense_target(self, capture: ContextCapture) -> torch.Tensor:
+        """Reconstruction scores (layers, batch, kv_heads, context) of the context (the dense target)."""
+        prompt = self.prompt_ids()
+        self.check_positions(2 * capture.context_length + len(prompt), "the reconstruction pass")
+        return reconstruction_target(self.base, capture, prompt, backend=self.hparams.backend)
 
     def compressible(self, capture: ContextCapture) -> torch.Tensor:
         """(context,) bool: the context tokens that compete for the budget."""

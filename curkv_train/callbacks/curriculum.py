@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import asdict, dataclass, fields
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Stage:
-    """One curriculum stage; fields left ``None`` keep the previous stage's value.
+    """One curriculum stage; fields left ``None`` keep the previous stage's value (``warm_start`` excepted).
 
     Attributes:
         steps: optimizer steps in this stage.
@@ -26,14 +27,19 @@ class Stage:
         keep_ratio: target ρ, or a list of ρ cycled step by step (one scorer for several ratios).
         compression_range: [low, high]: instead of ``keep_ratio``, draw the compression ratio
             1 − ρ uniformly from this range at every step (seeded by the step, so a resumed run
-            draws the same ones).
+            draws the same ones). A stage sets at most one of the two; a later stage that sets
+            neither keeps whichever was set last.
         budget_weight: λ of the budget penalty.
         temperature: score temperature T.
-        hard_topk: exact top-⌈ρ·n⌉ forward with straight-through gradients.
-        warm_start: the dense ranking term alone against the reconstruction target (no
-            continuation, no backward through the LLM) instead of distillation.
+        hard_topk: exact top-⌈ρ·n⌉ forward with straight-through gradients (unset before any
+            stage sets it: the model's ``hard_topk``).
+        warm_start: this stage (only; not inherited) trains the dense ranking term alone against
+            the reconstruction target (no continuation, no backward through the LLM) instead of
+            distillation.
         streaming_rounds: compress the context in this many rounds ``compress_every`` windows apart, the
-            way CurKVCache compresses a growing context (0: one selection).
+            way CurKVCache compresses a growing context (0: one selection). Every round must leave
+            tokens to compete: the first round's end, context − (rounds − 1)·compress_every·window,
+            must exceed n_sink + hot_windows·window (checked when training starts).
         hot_windows: recent windows each streaming round protects (the cache's hot tier).
         compress_every: windows between two streaming rounds (the cache's compression interval).
         recent_share: share of each streaming round's kept places given to the newest tokens (the
@@ -50,7 +56,7 @@ class Stage:
     compression_range: list[float] | None = None
     budget_weight: float | None = None
     temperature: float | None = None
-    hard_topk: bool = False
+    hard_topk: bool | None = None
     warm_start: bool = False
     streaming_rounds: int | None = None
     hot_windows: int | None = None
@@ -64,7 +70,15 @@ class Curriculum(Callback):
 
     The stage is a function of ``trainer.global_step``, so a resumed run continues
     the same schedule; the stage index is also saved in the checkpoint and checked.
-    After the last stage the last stage's settings stay in force.
+    After the last stage the last stage's settings stay in force. The module takes a
+    step's settings when the step starts (so hooks at the step's end, the budget's dual
+    step and checkpoints, see the step that ran); the data takes the next step's block
+    shape when a step ends, before the loader draws the next batch.
+
+    When training starts every stage is checked against the module (``check_stage``: e.g.
+    streaming rounds that fit the context, positions for the reconstruction pass), and a
+    schedule that changes the block shape is refused with DataLoader workers, which hold
+    their own copy of the blocks and would not see the change.
 
     Args:
         stages: the ordered stages.
@@ -80,10 +94,15 @@ class Curriculum(Callback):
                 check_keep_ratio(ratio)
             if stage.compression_range is not None:
                 _check_range(index, stage.compression_range)
+                if stage.keep_ratio is not None:
+                    raise CurKVError(f"curriculum stage {index} sets both keep_ratio and compression_range; "
+                                     "set one (the range draws the ratio every step)")
             if stage.recent_share is not None:
                 check_recent_share(stage.recent_share)
-            if stage.compress_every is not None and stage.compress_every < 1:
-                raise CurKVError(f"curriculum stage {index}: compress_every must be >= 1, got {stage.compress_every}")
+            for name, least in (("compress_every", 1), ("streaming_rounds", 0), ("hot_windows", 0)):
+                value = getattr(stage, name)
+                if value is not None and value < least:
+                    raise CurKVError(f"curriculum stage {index}: {name} must be >= {least}, got {value}")
         self.stages = stages
         self.stage_index = -1
 
@@ -100,10 +119,11 @@ class Curriculum(Callback):
         """Resolved settings at ``step``: every field, inherited from earlier stages when None."""
         settings: dict = {}
         for stage in self.stages[: self.stage_at(step) + 1]:
+            if stage.keep_ratio is not None or stage.compression_range is not None:
+                settings.pop("keep_ratio", None), settings.pop("compression_range", None)
             settings.update({k: v for k, v in asdict(stage).items() if v is not None})
-        stage = self.stages[self.stage_at(step)]
-        if stage.compression_range is not None:
-            low, high = stage.compression_range
+        if "compression_range" in settings:
+            low, high = settings["compression_range"]
             settings["keep_ratio"] = 1.0 - random.Random(f"curriculum/{step}").uniform(low, high)
         else:
             ratios = _as_list(settings.get("keep_ratio"))
@@ -115,22 +135,49 @@ class Curriculum(Callback):
         """Apply the settings of optimizer step ``step`` to the module and the training data.
 
         The module takes a :class:`~curkv_train.objective.TrainingSettings` through
-        ``apply_stage`` (fields a stage leaves unset keep the module's current value); the data
+        ``apply_stage`` (fields no stage has set keep the module's current value); the data
         module takes the block shape through ``set_block_shape``.
         """
         settings = self.settings_at(step)
-        names = {field.name for field in fields(TrainingSettings)}
-        current = asdict(module.settings)
-        module.apply_stage(TrainingSettings(**{name: settings.get(name, current[name]) for name in names}))
-        data = trainer.datamodule
-        if data is not None and ("context_length" in settings or "continuation_length" in settings):
-            data.set_block_shape(settings.get("context_length"), settings.get("continuation_length"))
+        module.apply_stage(self.training_settings(settings, module.settings))
+        self.reshape_data(trainer, step)
         index = self.stage_at(step)
         if index != self.stage_index:
             log.info("curriculum stage %d from step %d: %s", index, step, settings)
             self.stage_index = index
 
+    @staticmethod
+    def training_settings(settings: dict, current: TrainingSettings) -> TrainingSettings:
+        """``current`` with the fields ``settings`` (of :meth:`settings_at`) resolves."""
+        names = {field.name for field in fields(TrainingSettings)}
+        return dataclasses.replace(current, **{name: settings[name] for name in names if name in settings})
+
+    def reshape_data(self, trainer: L.Trainer, step: int) -> None:
+        """Give the training data the block shape of step ``step`` (no-op where no stage sets one)."""
+        settings, data = self.settings_at(step), trainer.datamodule
+        if data is not None and ("context_length" in settings or "continuation_length" in settings):
+            data.set_block_shape(settings.get("context_length"), settings.get("continuation_length"))
+
+    def check(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """A CurKVError for a stage the module cannot train or the data loader cannot reshape."""
+        data, start = trainer.datamodule, 0
+        shapes = set()
+        for index, stage in enumerate(self.stages):
+            settings = self.settings_at(start)
+            context = settings.get("context_length") or getattr(data, "context_length", None)
+            shapes.add((context, settings.get("continuation_length") or getattr(data, "continuation_length", None)))
+            if context is not None:
+                try:
+                    module.check_stage(self.training_settings(settings, module.settings), context)
+                except CurKVError as error:
+                    raise CurKVError(f"curriculum stage {index}: {error}") from None
+            start += stage.steps
+        if len(shapes) > 1 and getattr(data, "num_workers", 0):
+            raise CurKVError(f"the curriculum changes the block shape but data.num_workers is "
+                             f"{data.num_workers}: workers keep their own copy of the blocks; set data.num_workers: 0")
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.check(trainer, pl_module)
         self.apply(trainer, pl_module, trainer.global_step)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
@@ -139,8 +186,8 @@ class Curriculum(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
-        # Reshape the data for the next step now: the loader fetches ahead of the step.
-        self.apply(trainer, pl_module, trainer.global_step)
+        # The loader draws the next batch before the next step starts; the module keeps this step's settings.
+        self.reshape_data(trainer, trainer.global_step)
 
     def state_dict(self) -> dict:
         return {"stage_index": self.stage_index, "stages": [asdict(stage) for stage in self.stages]}

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from curkv_train.attention import patch_model
+from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.capture import estimator_inputs, prefill_context
 from curkv_train.objective import TrainingSettings, streaming_ends, streaming_keep_bias
@@ -91,3 +92,17 @@ def test_streaming_training_step_runs_and_moves_the_estimator():
     loss = module.training_step({"input_ids": ids, "context_length": 60}, 0)
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().max() > 0 for p in module.estimator.parameters())
+
+
+@pytest.mark.parametrize(("settings", "context", "message"), [
+    (TrainingSettings(streaming_rounds=4, hot_windows=2), 60, "start at token 12 of a 60-token context"),
+    (TrainingSettings(streaming_rounds=1, hot_windows=8), 60, "not past the 66 sink and hot tokens"),
+    (TrainingSettings(warm_start=True), 1010, "reconstruction pass of 2059 tokens exceeds the model's 2048"),
+])
+def test_a_stage_the_context_cannot_hold_is_refused(settings, context, message):
+    module = CurKVModule(base_model=TINY_RANDOM, window=8, n_sink=2, backend="torch")
+    module.configure_model()
+    module.check_stage(TrainingSettings(streaming_rounds=3, hot_windows=2), 60)
+    module.check_stage(TrainingSettings(warm_start=True), 1004)
+    with pytest.raises(CurKVError, match=message):
+        module.check_stage(settings, context)
