@@ -116,8 +116,9 @@ def stream_document(model: PreTrainedModel, run: StreamRun, input_ids: torch.Ten
 
 
 def segment_sums(trace: StreamTrace, segment: int) -> dict[str, np.ndarray]:
-    """Per ``segment`` scored tokens: examples (1), tokens, nll, and the mean over the steps that scored its first
-    tokens of the bytes held (kv_bytes), tokens held (kept_tokens) and tokens seen (context_tokens)."""
+    """Per ``segment`` scored tokens: examples (1), tokens, nll, and the mean over the steps that scored its tokens
+    of the bytes held (kv_bytes), tokens held (kept_tokens) and tokens seen (context_tokens): the steps that
+    start in the segment, or (a chunk longer than a segment) the step that scored its first token."""
     count = len(trace.nll)
     bounds = list(range(0, count, segment))
     first = np.asarray([step[0] for step in trace.steps])
@@ -125,7 +126,8 @@ def segment_sums(trace: StreamTrace, segment: int) -> dict[str, np.ndarray]:
                                                        "context_tokens")}
     for start in bounds:
         stop = min(start + segment, count)
-        members = [step for step, index in zip(trace.steps, first) if start <= index < stop] or [trace.steps[-1]]
+        members = ([step for step, index in zip(trace.steps, first) if start <= index < stop]
+                   or [trace.steps[int(np.searchsorted(first, start, side="right")) - 1]])
         sums["examples"].append(1.0)
         sums["tokens"].append(float(stop - start))
         sums["nll"].append(float(trace.nll[start:stop].sum()))

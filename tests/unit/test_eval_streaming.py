@@ -32,7 +32,7 @@ from curkv_train.eval.stream_rows import (
     select_rows,
     stream_methods,
 )
-from curkv_train.eval.streaming import evaluate_streaming, segment_sums, stream_document
+from curkv_train.eval.streaming import StreamTrace, evaluate_streaming, segment_sums, stream_document
 from curkv_train.runtime import CurKVCache
 
 WINDOW, N_SINK, PREFIX = 16, 4, 120
@@ -300,3 +300,11 @@ def test_repeated_memory_settings_are_refused(budgets):
     """Two settings with one label would share a results cell and drop its rows."""
     with pytest.raises(CurKVError, match="memory settings repeat"):
         memory_settings(**budgets)
+
+
+def test_a_segment_no_step_starts_in_takes_the_step_that_scored_it():
+    """Chunks of 64 over segments of 16: every segment of a chunk reads that chunk's step, not the last one."""
+    steps = [(0, 100, 10.0, 64), (64, 200, 20.0, 128), (128, 300, 30.0, 192)]
+    sums = segment_sums(StreamTrace(np.ones(192), steps, 1.0), 16)
+    assert sums["kv_bytes"].tolist() == [100.0] * 4 + [200.0] * 4 + [300.0] * 4
+    assert sums["context_tokens"].tolist() == [64.0] * 4 + [128.0] * 4 + [192.0] * 4
