@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.core.shapes import kv_shape
 from curkv_train.errors import CurKVError
+from curkv_train.eval.clock import clock
 from curkv_train.eval import kvpress_bridge
 from curkv_train.eval.compressed import (
     batched_continuation_logits,
@@ -175,9 +176,9 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
     length = example.context_length
     context_ids, continuation_ids = ids[:, :length], ids[:, length:]
     needs_queries = any(getattr(fn, "needs_queries", False) for fn in methods.values() if fn is not None)
-    started = time.perf_counter()
+    started = clock()
     context = prefill(model, context_ids, capture_queries=needs_queries)
-    prefill_seconds = time.perf_counter() - started
+    prefill_seconds = clock() - started
     full_cache = compress_prefill(model, context, None, n_sink=settings.n_sink, window=settings.window,
                                   keep_ratio=1.0)
     full_budget = {**_budget(full_cache, length), "prefill_seconds": prefill_seconds}

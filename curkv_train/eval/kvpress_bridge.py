@@ -35,7 +35,6 @@ from __future__ import annotations
 import copy
 import logging
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from transformers import DynamicCache, PreTrainedModel
 from curkv_train.core.observation import attention_modules
 from curkv_train.core.selection import expected_kept
 from curkv_train.errors import CurKVError
+from curkv_train.eval.clock import clock
 
 
 @dataclass(frozen=True)
@@ -286,10 +286,10 @@ def press_cache(model: PreTrainedModel, name: str, press, context_ids: torch.Ten
     clear_masks(model)
     tokenizer_scope = _local_tokenizer(model, tokenizer) if spec.reads_tokenizer else nullcontext()
     with _attention(model, "eager" if spec.eager else None), tokenizer_scope:
-        started = time.perf_counter()  # the press's own work: its hooks, KVzip's reconstruction and tokenizer load
+        started = clock()  # the press's own work: its hooks, KVzip's reconstruction and tokenizer load
         with press(model):
             model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True)
-        seconds = time.perf_counter() - started
+        seconds = clock() - started
     kept = sum(layer.keys.shape[2] for layer in cache.layers) / len(cache.layers)
     if spec.masked:
         kv_heads = cache.layers[0].keys.shape[1]
