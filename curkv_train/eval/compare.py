@@ -40,8 +40,17 @@ def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     return cells
 
 
+def _row_at(cells: dict, method: str, setting: str, task: str, full_row: dict | None) -> dict | None:
+    """``method``'s row at (setting, task), the full cache's being ``full_row`` (the task's reference) at any setting."""
+    cell = cells.get((method, setting, task))
+    return cell[0] if cell else (full_row if method == FULL else None)
+
+
 def compare_methods(results: dict, first: str, second: str) -> list[dict]:
     """Per (task, setting) where both methods have rows: ``first`` − ``second`` on the task's main metric.
+
+    The full cache (``full``) is the reference of every setting, so it pairs with a method at each of
+    that method's settings.
 
     Args:
         results: a run's results.json content (rows with per-example sums, main_metric, bootstrap; and
@@ -51,24 +60,34 @@ def compare_methods(results: dict, first: str, second: str) -> list[dict]:
     Returns:
         entries with task, setting (a ratio, or a streaming memory setting), metric, both values, the
         difference, its interval and the verdict (``wins`` means ``first`` is better).
+
+    Raises:
+        CurKVError: a method not in the run, or two methods that share no (task, setting).
     """
     cells = _cells(results)
     known = {method for method, _, _ in cells}
     missing = [name for name in (first, second) if name not in known]
     if missing:
         raise CurKVError(f"method(s) {', '.join(map(repr, missing))} not in this run; it has: {', '.join(sorted(known))}")
+    anchor = second if first == FULL else first
     entries = []
     for (method, setting, task), (row, kind, name, full_row, bootstrap) in cells.items():
-        other = cells.get((second, setting, task))
-        if method != first or other is None:
+        if method != anchor:
             continue
-        ours = example_sums(row)
+        rows = {method: _row_at(cells, method, setting, task, full_row) for method in (first, second)}
+        if None in rows.values():
+            continue
+        ours = example_sums(rows[first])
         weights = bootstrap.weights(len(next(iter(ours.values()))), task)
-        difference = paired_difference(kind, name, ours, example_sums(other[0]),
+        difference = paired_difference(kind, name, ours, example_sums(rows[second]),
                                        example_sums(full_row) if full_row else None, weights, bootstrap)
-        entries.append({"task": task, "setting": setting, "metric": name, first: row["metrics"][name],
-                        second: other[0]["metrics"][name], "difference": difference.point,
+        entries.append({"task": task, "setting": setting, "metric": name, first: rows[first]["metrics"][name],
+                        second: rows[second]["metrics"][name], "difference": difference.point,
                         "interval": [difference.low, difference.high], "verdict": verdict(difference, name)})
+    if not entries:
+        settings = {method: sorted({setting for other, setting, _ in cells if other == method}) for method in (first, second)}
+        raise CurKVError(f"{first!r} and {second!r} share no task and setting in this run ({first}: "
+                         f"{', '.join(settings[first])}; {second}: {', '.join(settings[second])})")
     return entries
 
 

@@ -68,3 +68,20 @@ def test_streaming_rows_are_compared_per_segment_against_the_full_cache():
     assert compare_methods(run, "b", "a")[0]["verdict"] == "loses"
     with pytest.raises(CurKVError, match="'c' not in this run; it has: a, b, full"):
         compare_methods(run, "a", "c")
+
+
+def test_the_full_cache_pairs_with_every_setting_of_a_method():
+    run = {"rows": [], "main_metric": {}, "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0},
+           "streaming": {"rows": [stream_row("full", 2.0, "full"), stream_row("a", 2.1), stream_row("a", 2.3, "0.3")],
+                         "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0}}}
+    entries = {entry["setting"]: entry for entry in compare_methods(run, "a", "full")}
+    assert sorted(entries) == ["0.3", "0.5"] and all(entry["verdict"] == "loses" for entry in entries.values())
+    assert entries["0.5"]["difference"] == pytest.approx(100 * (math.exp(0.1) - 1), rel=1e-6)
+    assert [entry["verdict"] for entry in compare_methods(run, "full", "a")] == ["wins", "wins"]
+
+
+def test_methods_without_a_common_setting_are_one_error():
+    run = results(20, 20)
+    run["rows"][1]["ratio"] = 0.7
+    with pytest.raises(CurKVError, match="share no task and setting in this run \\(a: 0.5; b: 0.7\\)"):
+        compare_methods(run, "a", "b")
