@@ -12,6 +12,7 @@ swapped whole).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -24,6 +25,7 @@ from curkv_train.eval.figures import figure_png, finite, signed
 from curkv_train.eval.methods import CURKV, CURKV_CACHE, FULL
 from curkv_train.eval.statistics import LOWER_IS_BETTER
 from curkv_train.eval.streaming_report import streaming_markdown, streaming_pngs
+from curkv_train.runtime.cache import CurKVCache
 
 BUDGET_TABLES = ("kept_tokens", "kv_bytes", "prefill_seconds")
 PRESS_PREFIX = "kvpress:"
@@ -148,12 +150,16 @@ def _notes(results: dict, config: dict) -> list[str]:
             f"sinks {entry['n_sink']}, window {entry['window']})" for name, entry in scorers.items())
             + ". The summary's verdict is about the first; the others' rows are not candidate baselines.")
     if any(row["method"].startswith(CURKV_CACHE) for row in results["rows"]):
+        defaults = inspect.signature(CurKVCache).parameters
         lines.append(f"`{CURKV_CACHE}` rows run the scorer through the runtime `CurKVCache` at its defaults: the "
                      "context prefilled into the cache at the column's keep ratio, then the continuation fed a window "
-                     "at a time through the same cache, which keeps compressing as during generation. Its hot tier "
-                     "(3 windows) is protected besides the sinks, so it holds more tokens than the bare selection "
-                     "at the same ratio, and its bytes include the observation (window queries and query moments per "
-                     "layer, a fixed cost that does not grow with the context): read the budget tables.")
+                     "at a time through the same cache, which keeps compressing as during generation. Its sinks and "
+                     f"hot tier ({defaults['hot_windows'].default} windows) count inside the ratio (ρ of the tokens "
+                     "seen, where the bare selection keeps ρ of the compressible ones besides sinks and window), the "
+                     f"newest tokens wait uncompressed for up to {defaults['compress_every'].default} windows, and its "
+                     "bytes include the observation (window queries and query moments per layer, a fixed cost that "
+                     "does not grow with the context): it holds a different number of tokens than the bare selection "
+                     "at the same ratio; read the budget tables.")
     masked = results.get("masked_methods") or []
     if masked:
         lines.append(f"{', '.join(f'`{name}`' for name in masked)} mask evicted keys instead of dropping them "
