@@ -25,7 +25,6 @@ import torch
 from transformers import PreTrainedModel
 
 from curkv_train.core.atomic import write_atomic
-from curkv_train.data.synthetic import SYNTHETIC_TASKS
 from curkv_train.errors import CurKVError
 from curkv_train.eval.cached import plain_cache
 from curkv_train.eval.cli import FloatList
@@ -53,14 +52,13 @@ class ProbeBudget(LayerBudget):
 
 
 def calibration_documents(tokenizer, recipe: DataRecipe, *, length: int, per_source: int) -> list[torch.Tensor]:
-    """(1, length) token blocks of the training split of every non-synthetic source of ``recipe``,
-    ``per_source`` of each, spread evenly over its stream."""
+    """(1, length) token blocks of the training split of every document source of ``recipe`` (a synthetic
+    task counts as its filler, :class:`~curkv_train.eval.tasks.DataRecipe`), ``per_source`` of each, spread
+    evenly over its stream."""
     from curkv_train.data.tokenized import token_stream
 
     blocks = []
     for source in recipe.sources:
-        if source.kind in SYNTHETIC_TASKS:
-            continue
         stream = token_stream(tokenizer, source.kind, "train", **source.arguments())
         if len(stream) < length:
             continue
@@ -135,8 +133,7 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
     budget = LayerBudget(sensitivity, min(tried, key=tried.get), floor)
     record = {**budget.record(), "calibration": {
         "keep_ratio": keep_ratio, "probe_keep": probe_keep, "length": length, "prefix": prefix, "chunk": chunk,
-        "documents": len(documents), "sources": [source.kind for source in DataRecipe.of_scorer(loaded.metadata).sources
-                                                 if source.kind not in SYNTHETIC_TASKS],
+        "documents": len(documents), "sources": [source.kind for source in DataRecipe.of_scorer(loaded.metadata).sources],
         "ppl_increase_pct_by_exponent": {f"{exponent:g}": value for exponent, value in tried.items()}}}
     _write_budget(folder / CONFIG_FILE, record)
     return budget
