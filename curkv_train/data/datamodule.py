@@ -78,7 +78,7 @@ class MixedBlocks(Dataset):
         source, stream = self.sources[which], self.streams[which]
         if source.kind in SYNTHETIC_TASKS:
             build = BUILDERS[source.kind]
-            return build(self.tokenizer, stream.tolist(), self.context_length, self.continuation_length, rng,
+            return build(self.tokenizer, stream, self.context_length, self.continuation_length, rng,
                          protected=self.protected)
         length = self.context_length + self.continuation_length
         start = rng.randrange(0, len(stream) - length + 1)

@@ -10,13 +10,16 @@ same builders serve training and the evaluation tasks.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from curkv_train.errors import CurKVError
 
 SYNTHETIC_TASKS = ("passkey", "kv_lookup", "repeated_span")
+Filler = Sequence[int] | np.ndarray  # token ids of the text that fills a context: a list or a 1-D array, never copied whole
 
 
 @dataclass
@@ -47,11 +50,11 @@ def _check_room(task: str, needed: int, available: int, where: str) -> None:
                          "use longer contexts/continuations")
 
 
-def _fit(tokens: list[int], filler: list[int], length: int, rng: random.Random) -> list[int]:
+def _fit(tokens: list[int], filler: Filler, length: int, rng: random.Random) -> list[int]:
     """``tokens`` followed by a random stretch of ``filler``, cut to exactly ``length``."""
     need = max(0, length - len(tokens))
     start = rng.randrange(0, max(1, len(filler) - need))
-    return (tokens + filler[start : start + need])[:length]
+    return (tokens + [int(token) for token in filler[start : start + need]])[:length]
 
 
 def _depth_position(depth: float, low: int, high: int) -> int:
@@ -59,7 +62,7 @@ def _depth_position(depth: float, low: int, high: int) -> int:
     return low + int(round(depth * max(0, high - low)))
 
 
-def passkey(tokenizer, filler: list[int], context_length: int, continuation_length: int,
+def passkey(tokenizer, filler: Filler, context_length: int, continuation_length: int,
             rng: random.Random, depth: float | None = None, protected: tuple[int, int] = (4, 64)) -> Example:
     """A pass key hidden at ``depth`` (0 = start, 1 = end) of the compressible context, asked for after it."""
     key = str(rng.randrange(10000, 100000))
@@ -78,7 +81,7 @@ def passkey(tokenizer, filler: list[int], context_length: int, continuation_leng
     return Example(ids, context_length, len(question), len(question) + len(answer))
 
 
-def kv_lookup(tokenizer, filler: list[int], context_length: int, continuation_length: int,
+def kv_lookup(tokenizer, filler: Filler, context_length: int, continuation_length: int,
               rng: random.Random, protected: tuple[int, int] = (4, 64)) -> Example:
     """A context of ``ID k: v`` lines; the continuation asks for the value of an early ID."""
     lines, records = [], []
@@ -95,6 +98,10 @@ def kv_lookup(tokenizer, filler: list[int], context_length: int, continuation_le
     candidates = [i for i, offset in enumerate(offsets)
                   if offset >= protected[0] and offset + len(lines[i]) <= context_length - protected[1]]
     asked = records[rng.choice(candidates)] if candidates else records[0]
+    ids = [record[0] for record, offset in zip(records, offsets) if offset < context_length]
+    if ids.count(asked[0]) > 1:  # an ID drawn twice has two values: ask one that is unique (a redraw only here,
+        unique = [i for i in candidates if ids.count(records[i][0]) == 1]  # so other blocks stay as they were)
+        asked = records[rng.choice(unique)] if unique else asked
     question = _encode(tokenizer, f"ID {asked[0]}:")
     answer = _encode(tokenizer, f" {asked[1]}")
     _check_room("kv_lookup", len(question) + len(answer), continuation_length, "continuation")
@@ -102,7 +109,7 @@ def kv_lookup(tokenizer, filler: list[int], context_length: int, continuation_le
     return Example(torch.tensor(context + continuation), context_length, len(question), len(question) + len(answer))
 
 
-def repeated_span(tokenizer, filler: list[int], context_length: int, continuation_length: int,
+def repeated_span(tokenizer, filler: Filler, context_length: int, continuation_length: int,
                   rng: random.Random, depth: float | None = None, protected: tuple[int, int] = (4, 64),
                   cue_length: int = 8) -> Example:
     """The continuation repeats a stretch of the compressible context starting at ``depth``.

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,3 +88,33 @@ def test_synthetic_task_that_does_not_fit_is_a_clear_error(tokenizer):
         passkey(tokenizer, filler, 60, 64, random.Random(1), protected=(4, 32))
     with pytest.raises(CurKVError, match="passkey needs"):
         passkey(tokenizer, filler, 300, 8, random.Random(1), protected=(4, 32))
+
+
+class RepeatedIds(random.Random):
+    """IDs of kv_lookup records all 1111 but the sixth (5555); values and choices as random.Random draws them."""
+
+    draws = 0
+
+    def randrange(self, start, stop=None, step=1):
+        if (start, stop) != (1000, 10000):
+            return super().randrange(start, stop, step)
+        self.draws += 1
+        return 5555 if self.draws == 6 else 1111
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_lookup_asks_an_id_that_has_one_value(tokenizer, seed):
+    filler = tokenizer("filler text. " * 40)["input_ids"]
+    example = kv_lookup(tokenizer, filler, 300, 64, RepeatedIds(seed), protected=(4, 32))
+    question = tokenizer.decode(example.input_ids[300 : 300 + example.answer_start].tolist())
+    answer = tokenizer.decode(example.input_ids[300 + example.answer_start : 300 + example.answer_end].tolist())
+    assert question == "ID 5555:" and f"ID 5555:{answer}\n" in tokenizer.decode(example.input_ids[:300].tolist())
+
+
+@pytest.mark.parametrize("builder", [passkey, kv_lookup, repeated_span])
+def test_a_filler_array_gives_the_blocks_its_list_gives(builder, tokenizer):
+    """The data module hands the token stream itself (an array, not copied per block) to the builders."""
+    filler = tokenizer("The quick brown fox jumps over the lazy dog. " * 60)["input_ids"]
+    from_list = builder(tokenizer, filler, 300, 64, random.Random(5), protected=(4, 32))
+    from_array = builder(tokenizer, np.asarray(filler, dtype=np.int32), 300, 64, random.Random(5), protected=(4, 32))
+    assert torch.equal(from_list.input_ids, from_array.input_ids) and from_array.input_ids.dtype == torch.long
