@@ -165,7 +165,7 @@ def factored_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     cold = layer.factored_cold
     cold_tokens = sum(block.tokens for block in cold)
     if layer.settings.layer_budget is not None:
-        attention_mask = fit_mask(attention_mask, layer.held_tokens + query.shape[-2])
+        attention_mask = fit_mask(attention_mask, cold_tokens + key.shape[-2])  # held_tokens has the new ones
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != cold_tokens + key.shape[-2]:
         raise CurKVError(f"layer {layer.layer_idx}: the attention mask spans {attention_mask.shape[-1]} keys, "
                          f"expected {cold_tokens} cold + {key.shape[-2]} dense; was the cache modified mid-step?")

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from curkv_train.core.observation import attention_modules
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import CurKVCache, cur
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.attention import HOOK_ATTRIBUTE, cache_layer_of
 from runtime_helpers import random_scorer
 
@@ -63,11 +64,14 @@ def step_pair(model, caches, ids, seen):
     return [model(ids, past_key_values=cache, attention_mask=mask).logits[:, -1] for cache in caches]
 
 
+@pytest.mark.parametrize("budget", [None, LayerBudget((0.1, 4.0), 1.0, 0.4)], ids=["uniform", "layer_budget"])
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_factored_generation_matches_the_reconstructing_path(model, scorer, implementation):
-    """Same logits (fp32 tolerance) and the same greedy tokens, decode steps and a 5-token chunk, cold blocks present."""
+def test_factored_generation_matches_the_reconstructing_path(model, scorer, implementation, budget):
+    """Same logits (fp32 tolerance) and the same greedy tokens, decode steps and a 5-token chunk, cold blocks present;
+    under a layer budget too (layers of different lengths: the model's mask is fitted to each)."""
     model.set_attn_implementation(implementation)
-    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch", factored_attention=factored)
+    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch", factored_attention=factored,
+                         layer_budget=budget or "uniform")
               for factored in (True, False)]
     ids, seen = prompt(500), 0
     chunk = prompt(5, seed=1)
@@ -78,8 +82,8 @@ def test_factored_generation_matches_the_reconstructing_path(model, scorer, impl
             torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
             assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
             ids = chunk if step == WINDOW else logits[0].argmax(-1, keepdim=True)
-            assert caches[0].tier_sizes(0)["cold"] > 0
-    assert caches[0].tier_sizes(0) == caches[1].tier_sizes(0)
+            assert caches[0].tier_sizes(1)["cold"] > 0
+    assert [caches[0].tier_sizes(layer) for layer in (0, 1)] == [caches[1].tier_sizes(layer) for layer in (0, 1)]
     assert caches[0].nbytes() == caches[1].nbytes()
 
 
