@@ -78,9 +78,11 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
     if not isinstance(cache, CurKVCache):
         setattr(module, LAYER_ATTRIBUTE, None)
         return
-    check_unpadded(kwargs.get("attention_mask"))
     layer = cache.layers[module.layer_idx]
-    layer.observe_hidden(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+    hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    check_within_window(cache.sliding_window, layer.held_tokens, hidden_states.shape[1])
+    check_unpadded(kwargs.get("attention_mask"))
+    layer.observe_hidden(hidden_states)
     implementation = getattr(module.config, "_attn_implementation", None)
     layer.factored_attention = cache.factored_attention and is_factored(implementation)
     setattr(module, LAYER_ATTRIBUTE, weakref.ref(layer))
@@ -95,6 +97,18 @@ def record_queries(projection: torch.nn.Module, args: tuple[Any, ...], output: t
     if layer is not None:
         batch, tokens = output.shape[0], output.shape[1]
         layer.observe_queries(output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2))
+
+
+def check_within_window(window: int | None, held: int, new: int) -> None:
+    """A CurKVError when a model's sliding-window mask would hide held tokens: ``held`` + ``new`` > ``window``.
+
+    The mask places the held tokens just before the new ones, so past the window it hides the oldest held
+    ones, whatever the compression kept; the cache cannot follow that (it would also read as padding).
+    """
+    if window and held + new > window:
+        raise CurKVError(f"the model's sliding window ({window} tokens) is exceeded: {held} held + {new} new tokens; "
+                         "CurKVCache does not slide a window over compressed tokens: stay within it, or use a model "
+                         "without a sliding window")
 
 
 def check_unpadded(attention_mask: torch.Tensor | None) -> None:

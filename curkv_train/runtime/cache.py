@@ -62,15 +62,19 @@ from curkv_train.runtime.tiers import TierSettings
 log = logging.getLogger(__name__)
 
 
-def check_full_attention(model: PreTrainedModel) -> None:
-    """CurKVError unless every layer of ``model`` attends fully (a warning for a configured sliding window)."""
+def check_full_attention(model: PreTrainedModel) -> int | None:
+    """CurKVError unless every layer of ``model`` attends fully; returns the sliding window its masks apply to every
+    layer (Mistral-style configs: a warning, and :func:`~curkv_train.runtime.attention.record_cache_layer` refuses a
+    step whose held and new tokens outgrow it), or None."""
     config = text_config(model.config)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise CurKVError(f"CurKVCache supports full-attention layers only, the model has {sorted(layer_types)}")
-    if getattr(config, "sliding_window", None):
-        log.warning("the model's sliding window (%s tokens) is not applied to compressed tokens: generation "
-                    "matches the model only while the sequence fits in the window", config.sliding_window)
+    window = getattr(config, "sliding_window", None)
+    if window:
+        log.warning("the model's sliding window (%s tokens) is not applied to compressed tokens: the cache serves "
+                    "it while held and new tokens fit in the window, and refuses a step past it", window)
+    return window or None
 
 
 class CurKVCache(Cache):
@@ -147,7 +151,7 @@ class CurKVCache(Cache):
             check_scorer_fits(scorer, model)
         else:
             scorer = load_scorer(scorer, model=model)
-        check_full_attention(model)
+        self.sliding_window = check_full_attention(model)
         self.scorer, self.model = scorer.compiled() if compile_scorer else scorer, model
         window = scorer.window if window is None else window
         half = max(1, scorer.estimator.head_dim // 2)

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3
 
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.shapes import kv_shape
+from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer
@@ -73,3 +74,14 @@ def test_observation_bytes_count_the_query_ring_when_heads_are_wider_than_the_hi
     with torch.no_grad():
         model(torch.randint(3, 512, (1, 60), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
     assert cache.observation_bytes() == sum(layer.observer.nbytes() for layer in cache.layers)
+
+
+def test_a_sliding_window_model_is_served_within_the_window_and_refused_past_it(scorer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MistralConfig(**SHAPES, sliding_window=64)).eval()
+    cache = CurKVCache(scorer, model=model, keep_ratio=1.0, backend="torch")
+    with torch.no_grad():
+        model(torch.randint(3, 512, (1, 50)), past_key_values=cache)
+        model(torch.randint(3, 512, (1, 10)), past_key_values=cache)
+        with pytest.raises(CurKVError, match=r"sliding window \(64 tokens\) is exceeded: 60 held \+ 10 new"):
+            model(torch.randint(3, 512, (1, 10)), past_key_values=cache)
