@@ -230,6 +230,7 @@ class CurKVLayer(CacheLayerMixin):
         if self.compressible_seen or self.cold:
             raise CurKVError("a CurKVCache cannot be cropped after it compressed tokens; "
                              "use a fresh cache (assisted generation and cache rollback are not supported)")
+        self.observer.crop(max_length)
         self.keys, self.values = self.keys[..., :max_length, :], self.values[..., :max_length, :]
         self.positions = self.positions[..., :max_length]
         if self.token_scores is not None:

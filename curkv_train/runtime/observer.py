@@ -80,6 +80,19 @@ class ObservationBuffer:
         if self.unfolded == self.window:
             self._fold()
 
+    def crop(self, length: int) -> None:
+        """Forget the queries of positions >= ``length``, or a CurKVError (nothing changed) where that cannot be
+        exact: the statistics already count some of them, or the ring has overwritten queries the window needs."""
+        dropped = self.seen - length
+        if not self.window or dropped <= 0:
+            return
+        if dropped > self.unfolded or self.seen > self.window:
+            raise CurKVError(f"this CurKVCache cannot forget the queries of its last {dropped} tokens (its query "
+                             f"statistics count them, or its {self.window}-query window moved past them): crop only "
+                             f"within the first {self.window} tokens, or use a fresh cache (assisted generation and "
+                             "cache rollback are not supported)")
+        self.seen, self.unfolded = length, self.unfolded - dropped
+
     def _add_to_statistics(self, queries: torch.Tensor, start: int) -> None:
         """Add the queries at positions start, start + 1, ... that are not below ``statistics_skip``."""
         counted = queries[:, :, max(0, self.statistics_skip - start):]

@@ -10,7 +10,7 @@ from curkv_train.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.estimator import ValueEstimator
 from curkv_train.runtime import CurKVCache, Scorer
-from runtime_helpers import random_scorer
+from runtime_helpers import family_scorer, random_scorer
 
 WINDOW, N_SINK = 16, 4
 TIERS_OFF = {"hot": False, "cold": False}
@@ -316,3 +316,16 @@ def test_a_chunk_longer_than_the_hot_tier_is_compressed_on_arrival(model, scorer
     sizes = cache.tier_sizes(0)
     assert sizes["seen"] == 400 and sizes["hot"] == 2 * WINDOW
     assert cache.held_tokens(0) == N_SINK + 2 * WINDOW + sizes["warm"] < 400
+
+
+def test_a_query_aware_cache_crops_within_its_observation_window_only(model):
+    """Window of 8 queries: a crop from 6 to 4 tokens rolls it back; one from 12 cannot, and leaves the cache as it was."""
+    cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, backend="torch")
+    with torch.no_grad():
+        model(prompt(6), past_key_values=cache)
+        cache.crop(4)
+        assert cache.get_seq_length() == 4 and cache.layers[0].observer.seen == 4
+        model(prompt(8), past_key_values=cache)
+    with pytest.raises(CurKVError, match="cannot forget the queries of its last 2 tokens"):
+        cache.crop(10)
+    assert cache.get_seq_length() == 12 and cache.layers[0].keys.shape[-2] == 12

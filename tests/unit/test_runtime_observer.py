@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from curkv_train.core.observation import QueryStatistics, observe_queries
+from curkv_train.errors import CurKVError
 from curkv_train.runtime.observer import ObservationBuffer
 
 HEADS, DIM = 3, 4
@@ -76,3 +77,25 @@ def test_window_shorter_than_what_was_seen_so_far_and_bytes_stay_bounded():
 def test_no_window_keeps_nothing():
     buffer = fed(ObservationBuffer(0, None), queries(10), [10])
     assert buffer.observation() is None and buffer.nbytes() == 0
+
+
+def test_a_crop_within_the_window_forgets_the_dropped_queries():
+    """Observe 6 of a window of 8, crop to 4, observe 2 others and 4 more: as if the dropped ones never came."""
+    first, other = queries(10), queries(10, seed=1)
+    replayed = torch.cat([first[:, :, :4], other[:, :, 4:]], dim=2)
+    buffer = fed(ObservationBuffer(8, None), first, [4, 2])
+    buffer.crop(4)
+    cropped = fed(buffer, replayed[:, :, 4:], [2, 4], first=4).observation()
+    fresh = fed(ObservationBuffer(8, None), replayed, [10]).observation()
+    assert torch.equal(cropped.queries, fresh.queries) and cropped.statistics.count == fresh.statistics.count == 10
+    torch.testing.assert_close(cropped.statistics.mean(), fresh.statistics.mean())
+
+
+@pytest.mark.parametrize("chunks", [[4, 2], [9]], ids=["folded", "window_moved_on"])
+def test_a_crop_the_observation_cannot_undo_is_refused_and_changes_nothing(chunks):
+    """Window 4: after 4 queries the statistics count them (a fold); after 9 the ring lost positions 1-4."""
+    buffer = fed(ObservationBuffer(4, None), queries(sum(chunks)), chunks)
+    seen, unfolded = buffer.seen, buffer.unfolded
+    with pytest.raises(CurKVError, match="cannot forget the queries of its last"):
+        buffer.crop(sum(chunks) - 1)
+    assert (buffer.seen, buffer.unfolded) == (seen, unfolded)
