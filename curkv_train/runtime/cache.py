@@ -117,9 +117,10 @@ class CurKVCache(Cache):
             over layers, to a token per layer's rounding (a sensitive layer may hold more, another less).
             Must cover n_sink + the hot tier + the ``compress_every`` windows − 1 tokens arriving between
             compressions.
-        max_bytes: the budget in bytes for the whole cache (what a server sizes by), turned into
-            ``max_tokens`` with every token counted as dense (cold tokens cost less, so the
-            bytes held stay below it); with both, the smaller budget wins.
+        max_bytes: the budget in bytes for the whole cache of one sequence (what a server sizes by),
+            turned into ``max_tokens`` with every token counted as dense (cold tokens cost less, so the
+            bytes held stay below it); with both, the smaller budget wins. A batch of B unpadded
+            sequences holds up to B times it: the budget is per sequence.
         layer_budget: how ρ is split across layers: ``"scorer"`` (default) the scorer's calibrated
             :class:`~curkv_train.runtime.allocation.LayerBudget` when it has one (``curkv-train
             calibrate``), else one ratio for every layer; ``"uniform"`` one ratio for every layer; or
@@ -158,8 +159,10 @@ class CurKVCache(Cache):
         self.settings = TierSettings(
             keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True), n_sink=scorer.n_sink if n_sink is None else n_sink,
             window=window, hot_tokens=window * (hot_windows if hot else 1), interval=window * compress_every,
-            warm_tokens=window * warm_windows if warm else 0, cold=cold, cold_block=cold_block or 4 * window,
-            cold_rows=cold_rows or half, cold_channels=cold_channels or half, cold_core=cold_core,
+            warm_tokens=window * warm_windows if warm else 0, cold=cold,
+            cold_block=4 * window if cold_block is None else cold_block,
+            cold_rows=half if cold_rows is None else cold_rows, cold_channels=half if cold_channels is None else cold_channels,
+            cold_core=cold_core,
             compensation=compensation, compensation_ratio=compensation_ratio, max_tokens=max_tokens,
             backend=backend, recent_share=recent_share, layer_budget=resolve_layer_budget(layer_budget, scorer))
         layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
@@ -221,7 +224,7 @@ class CurKVCache(Cache):
         return shape.num_layers * (ring + QueryStatistics.nbytes_for(shape.num_attention_heads, shape.head_dim))
 
     def tokens_within(self, max_bytes: int) -> int:
-        """Tokens per (layer, KV head) a budget of ``max_bytes`` for the whole cache pays for (batch 1)."""
+        """Tokens per (layer, KV head) a budget of ``max_bytes`` for one sequence's cache pays for."""
         budget = (max_bytes - self.observation_bytes()) // self.bytes_per_token()
         if budget < self.settings.fixed_tokens:
             raise CurKVError(f"max_bytes {max_bytes} pays for {max(budget, 0)} tokens per (layer, KV head), fewer than "

@@ -329,3 +329,10 @@ def test_a_query_aware_cache_crops_within_its_observation_window_only(model):
     with pytest.raises(CurKVError, match="cannot forget the queries of its last 2 tokens"):
         cache.crop(10)
     assert cache.get_seq_length() == 12 and cache.layers[0].keys.shape[-2] == 12
+
+
+@pytest.mark.parametrize("option", ["cold_block", "cold_rows", "cold_channels"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_cold_sizes_below_one_are_refused_not_replaced_by_defaults(model, scorer, option, value):
+    with pytest.raises(CurKVError, match="cold_block, cold_rows and cold_channels must be >= 1"):
+        CurKVCache(scorer, model=model, cold=True, **{option: value})
