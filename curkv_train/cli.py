@@ -176,6 +176,22 @@ class CurKVCLI(LightningCLI):
         from curkv_train.callbacks.guards import check_before_fit
 
         check_before_fit(self.trainer)
+        self.resolve_last_checkpoint()
+
+    def before_validate(self) -> None:
+        self.resolve_last_checkpoint()
+
+    def resolve_last_checkpoint(self) -> None:
+        """``--ckpt_path last``: the newest earlier run's ``last.ckpt``, which Lightning would look for in the new run's
+        empty folder (:func:`~curkv_train.callbacks.checkpoint.last_checkpoint_of_earlier_runs`)."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from curkv_train.callbacks.checkpoint import last_checkpoint_of_earlier_runs
+
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") == "last" and (found := last_checkpoint_of_earlier_runs(self.trainer)):
+            rank_zero_info(f"--ckpt_path last: {found}")
+            config["ckpt_path"] = str(found)
 
 
 def build_cli(args: list[str], run: bool = True) -> CurKVCLI:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -26,3 +29,23 @@ class LastStepCheckpoint(ModelCheckpoint):
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
+
+
+def last_checkpoint_of_earlier_runs(trainer: L.Trainer) -> Path | None:
+    """``last.ckpt`` of the newest earlier run under the trainer's versioned logger, or None.
+
+    Lightning looks ``--ckpt_path last`` up in the checkpoint folder of the run it starts; without a
+    ``checkpoint.dirpath`` that folder is the new run's own (TensorBoard's next ``version_N``), empty,
+    so a resumed run would train from step 0. This finds ``root_dir/version_N/checkpoints/last.ckpt``
+    with the largest N instead. None where Lightning finds it itself (a ``dirpath`` is set, or no
+    versioned logger) or where no earlier run left one.
+    """
+    callback, root = trainer.checkpoint_callback, getattr(trainer.logger, "root_dir", None)
+    if callback is None or callback.dirpath is not None or root is None:
+        return None
+    found = []
+    for path in Path(root).glob("version_*/checkpoints/last.ckpt"):
+        number = re.fullmatch(r"version_(\d+)", path.parent.parent.name)
+        if number:
+            found.append((int(number.group(1)), path))
+    return max(found)[1] if found else None

@@ -52,3 +52,22 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     assert curriculum and curriculum[0]["stage_index"] == len(STAGES) - 1
     loader_state = final["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert loader_state == [{"batches_done": MAX_STEPS}]
+
+
+def test_ckpt_path_last_resumes_the_newest_version_folder_of_the_default_logger(tmp_path):
+    """Without checkpoint.dirpath each run writes into its own lightning_logs/version_N; ``--ckpt_path last``
+    resumes from version_0's last.ckpt (Lightning alone would look in version_1's empty folder and start over)."""
+    settings = {"trainer": {"max_steps": 2, "limit_val_batches": 0, "enable_progress_bar": False,
+                            "enable_model_summary": False},
+                "checkpoint": {"every_n_train_steps": 2, "save_top_k": -1},
+                "model": {"backend": "torch", "window": 8},
+                "data": {"context_length": 96, "continuation_length": 8, "batch_size": 1, "train_size": 64}}
+    first = run_fit(settings, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_fit(settings, tmp_path, "--ckpt_path", "last", "--trainer.max_steps", "4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    runs = tmp_path / "lightning_logs"
+    assert f"--ckpt_path last: {runs / 'version_0' / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
+    second = runs / "version_1" / "checkpoints"
+    assert sorted(path.name for path in second.glob("step=*.ckpt")) == ["step=4.ckpt"]  # no step 2: it resumed there
+    assert torch.load(second / "last.ckpt", weights_only=False)["global_step"] == 4
