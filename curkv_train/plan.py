@@ -128,9 +128,12 @@ def _count(tensors) -> int:
 
 
 def _as_int(value, name: str) -> int:
+    """A positive count from the recipe (``--trainer.devices=4`` arrives as the string "4"), else a CurKVError."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
     if isinstance(value, int) and value > 0:
         return value
-    raise CurKVError(f"the recipe's trainer.{name} is {value!r}; pass --{name} N to plan for N")
+    raise CurKVError(f"the recipe's {name} is {value!r}; pass --{name.split('.')[-1]} N (N >= 1) to plan for N")
 
 
 def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
@@ -148,9 +151,9 @@ def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
     estimator = build_estimator(model_hp.estimator, shape, **(model_hp.estimator_options or {}))
 
     kind = strategy_kind(trainer.strategy)
-    devices, nodes = _as_int(trainer.devices, "devices"), _as_int(trainer.num_nodes, "num_nodes")
+    devices, nodes = _as_int(trainer.devices, "trainer.devices"), _as_int(trainer.num_nodes, "trainer.num_nodes")
     world = devices * nodes
-    batch = config.data.batch_size
+    batch = _as_int(config.data.batch_size, "data.batch_size")
     context, continuation = longest_stage(config)
 
     base_parameters = _count(base.parameters())

@@ -73,3 +73,17 @@ def test_cli_prints_a_table_and_json(capsys):
 def test_unknown_recipe_is_one_line(capsys):
     assert main(["plan", "--recipe", "llama-3"]) == 2
     assert capsys.readouterr().err.startswith("curkv-train: error: unknown recipe 'llama-3'")
+
+
+def test_devices_from_the_command_line_are_planned_for(capsys):
+    assert main(["plan", "--recipe", "llama2-70b", "--devices", "4", "--json", "true"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["devices"] == 4 and record["world_size"] == 4 and record["tokens_per_step"] == 4 * 4096
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--batch_size", "0"), ("--devices", "0"), ("--num_nodes", "-1")])
+def test_counts_below_one_are_one_line(capsys, flag, value):
+    assert main(["plan", "--recipe", "llama2-70b", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("curkv-train: error: the recipe's ") and f"pass {flag} N (N >= 1)" in err
+    assert len(err.strip().splitlines()) == 1
