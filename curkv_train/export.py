@@ -161,10 +161,11 @@ def training_record(ckpt: Path, checkpoint: dict) -> dict:
 
 
 def last_stage(checkpoint: dict) -> dict | None:
-    """The curriculum stage the run ended in, as the recipe wrote it (e.g. a list of ratios or a range)."""
+    """The settings of the curriculum stage the run ended in, with what it inherits from earlier stages (e.g.
+    a list of ratios or a range); the stage as the recipe wrote it in checkpoints from before 2026-12-05."""
     for state in (checkpoint.get("callbacks") or {}).values():
         if isinstance(state, dict) and state.get("stages") and state.get("stage_index", -1) >= 0:
-            return state["stages"][state["stage_index"]]
+            return state.get("stage_settings") or state["stages"][state["stage_index"]]
     return None
 
 
@@ -188,9 +189,11 @@ def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool
     config = base_config(base_model or model_id, None if base_model else hp.get("base_fallback"))
     last_step = {**{"keep_ratio": hp.get("keep_ratio", 0.5), "temperature": hp.get("temperature", 1.0)},
                  **(checkpoint.get(SETTINGS_KEY) or {})}
-    sampled = (last_stage(checkpoint) or {}).get("compression_range")
-    if sampled:  # one ratio drawn per step: the last draw says nothing, the range's middle does
-        last_step["keep_ratio"] = 1.0 - sum(sampled) / 2
+    stage = last_stage(checkpoint) or {}
+    if stage.get("compression_range"):  # one ratio drawn per step: the last draw says nothing, the range's middle does
+        last_step["keep_ratio"] = 1.0 - sum(stage["compression_range"]) / 2
+    elif isinstance(stage.get("keep_ratio"), list):  # cycled per step: likewise, the middle of the list
+        last_step["keep_ratio"] = sum(stage["keep_ratio"]) / len(stage["keep_ratio"])
     budget = checkpoint.get(LAYER_BUDGET_KEY)  # trained under a layer budget: the scorer runs with it
     scorer = Scorer(restore_estimator(checkpoint, config), key_view=hp.get("key_view", "pre_rope"),
                     n_sink=hp.get("n_sink", 4), window=hp.get("window", 64),

@@ -115,13 +115,19 @@ class Curriculum(Callback):
                 return index
         return len(self.stages) - 1
 
-    def settings_at(self, step: int) -> dict:
-        """Resolved settings at ``step``: every field, inherited from earlier stages when None."""
+    def stage_settings(self, index: int) -> dict:
+        """Stage ``index`` with what it inherits: every field set by it or an earlier stage (a ratio list or range
+        as written, before a step draws from it)."""
         settings: dict = {}
-        for stage in self.stages[: self.stage_at(step) + 1]:
+        for stage in self.stages[: index + 1]:
             if stage.keep_ratio is not None or stage.compression_range is not None:
                 settings.pop("keep_ratio", None), settings.pop("compression_range", None)
             settings.update({k: v for k, v in asdict(stage).items() if v is not None})
+        return settings
+
+    def settings_at(self, step: int) -> dict:
+        """Resolved settings at ``step``: :meth:`stage_settings` of its stage with this step's ratio drawn."""
+        settings = self.stage_settings(self.stage_at(step))
         if "compression_range" in settings:
             low, high = settings["compression_range"]
             settings["keep_ratio"] = 1.0 - random.Random(f"curriculum/{step}").uniform(low, high)
@@ -190,7 +196,10 @@ class Curriculum(Callback):
         self.reshape_data(trainer, trainer.global_step)
 
     def state_dict(self) -> dict:
-        return {"stage_index": self.stage_index, "stages": [asdict(stage) for stage in self.stages]}
+        """The stage index, the stages as written and the current stage's inherited settings (read by export)."""
+        settings = self.stage_settings(self.stage_index) if self.stage_index >= 0 else None
+        return {"stage_index": self.stage_index, "stages": [asdict(stage) for stage in self.stages],
+                "stage_settings": settings}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("stages") != [asdict(stage) for stage in self.stages]:

@@ -26,7 +26,8 @@ class Scorer:
         n_sink, window: the always-kept spans it was trained with.
         metadata: everything else recorded at export (fingerprint, recipe, metrics).
         keep_ratio: the keep ratio ρ of its last training step; the middle of the keep ratios of a last
-            stage that drew a compression ratio per step (scorer.json's training.last_stage has the range).
+            stage that drew a compression ratio per step or cycled a list of them (scorer.json's
+            training.last_stage has the range or list).
         temperature: the score temperature T of its last training stage (s = σ(z / T)).
         layer_budget: how CurKVCache splits a keep ratio across layers (``curkv-train calibrate``),
             or None for one ratio everywhere.

@@ -172,7 +172,8 @@ def test_runtime_imports_without_kvpress():
 
 @pytest.mark.parametrize("family", ["query_aware", "hidden"])
 def test_export_records_the_family_and_the_last_stage_settings(family, tmp_path, model):
-    """scorer.json holds the family and what the last step used (T, ρ), not the hyper-parameters' defaults."""
+    """scorer.json holds the family and what the last stage used (T; ρ: the middle of its cycled list), not the
+    hyper-parameters' defaults."""
     from dataclasses import asdict
 
     from curkv_train.objective import TrainingSettings
@@ -189,8 +190,8 @@ def test_export_records_the_family_and_the_last_stage_settings(family, tmp_path,
     folder = export(tmp_path / "last.ckpt", tmp_path / "scorer")
     record = json.loads((folder / CONFIG_FILE).read_text())
     assert record["estimator"]["family"] == family
-    assert record["settings"]["temperature"] == 0.5 and record["settings"]["keep_ratio"] == 0.3
-    assert record["training"]["last_stage"] == stages[0]
+    assert record["settings"]["temperature"] == 0.5 and record["settings"]["keep_ratio"] == pytest.approx(0.4)
+    assert record["training"]["last_stage"] == stages[0]  # a checkpoint without the inherited settings: as written
     scorer = load_scorer(folder, model=model)
     assert scorer.family == family
     for name, tensor in module.estimator.state_dict().items():
@@ -214,3 +215,23 @@ def test_a_sampled_last_stage_records_the_middle_of_its_keep_ratios(tmp_path):
     record = json.loads((export(tmp_path / "last.ckpt", tmp_path / "scorer") / CONFIG_FILE).read_text())
     assert record["settings"]["keep_ratio"] == pytest.approx(0.45)
     assert record["training"]["last_stage"]["compression_range"] == [0.3, 0.8]
+
+
+def test_a_last_stage_inheriting_a_range_records_its_middle(tmp_path):
+    """The last stage sets neither keep_ratio nor compression_range: it draws from the earlier stage's range."""
+    from curkv_train.callbacks.curriculum import Curriculum, Stage
+    from curkv_train.system import SETTINGS_KEY, CurKVModule
+
+    module = CurKVModule(base_model=TINY_RANDOM, window=16, keep_ratio=0.5)
+    module.configure_model()
+    curriculum = Curriculum([Stage(steps=2, compression_range=[0.3, 0.8]), Stage(steps=2, streaming_rounds=2)])
+    curriculum.stage_index = 1
+    state = {k: v for k, v in module.state_dict().items() if k.startswith(("estimator.", "budget."))}
+    checkpoint = {"state_dict": state, "hyper_parameters": dict(module.hparams), "global_step": 4,
+                  SETTINGS_KEY: {"keep_ratio": 0.6672, "temperature": 1.0},
+                  "callbacks": {"Curriculum": curriculum.state_dict()}}
+    torch.save(checkpoint, tmp_path / "last.ckpt")
+    record = json.loads((export(tmp_path / "last.ckpt", tmp_path / "scorer") / CONFIG_FILE).read_text())
+    assert record["settings"]["keep_ratio"] == pytest.approx(0.45)
+    assert record["training"]["last_stage"]["compression_range"] == [0.3, 0.8]
+    assert record["training"]["last_stage"]["streaming_rounds"] == 2
