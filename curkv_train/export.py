@@ -34,6 +34,10 @@ ESTIMATOR_PREFIX = "estimator."
 
 def read_checkpoint(path: Path) -> dict:
     """The Lightning checkpoint at ``path``, on CPU; a missing or unreadable file is a CurKVError."""
+    if path.is_dir():
+        raise CurKVError(f"checkpoint {path} is a folder (an FSDP sharded checkpoint?): consolidate it first with "
+                         f"`python -m lightning.pytorch.utilities.consolidate_checkpoint {path}` and export the "
+                         "consolidated file (docs/scale-out.md)")
     if not path.is_file():
         raise CurKVError(f"checkpoint {path} does not exist; pass the .ckpt of a `curkv-train fit` run")
     try:

@@ -74,3 +74,11 @@ def test_console_entry_point_exit_status(tmp_path):
     result = run_cli("fit", "--recipe", "nope", tmp_path=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("curkv-train: error: unknown recipe")
+
+
+def test_exporting_a_checkpoint_folder_names_the_consolidation(tmp_path, capsys):
+    sharded = tmp_path / "last.ckpt"  # FSDP writes a sharded checkpoint as a folder
+    sharded.mkdir()
+    line = assert_one_line_error(capsys, main(["export", "--ckpt", str(sharded), "--out", str(tmp_path / "out")]),
+                                 "is a folder (an FSDP sharded checkpoint?)")
+    assert "consolidate_checkpoint" in line and not (tmp_path / "out").exists()
