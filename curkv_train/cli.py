@@ -226,11 +226,13 @@ def quiet_lightning() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; user errors print one line and exit with status 2."""
+    """Entry point; user errors (ours, the parser's, Lightning's misconfigurations) print one line and exit with status 2."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     quiet_lightning()
     try:
         build_cli(list(sys.argv[1:] if argv is None else argv))
-    except (CurKVError, ArgumentError) as error:
+    except (CurKVError, ArgumentError, MisconfigurationException) as error:
         print(f"{PROG}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     return 0

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from curkv_train.cli import main
 
@@ -82,3 +83,9 @@ def test_exporting_a_checkpoint_folder_names_the_consolidation(tmp_path, capsys)
     line = assert_one_line_error(capsys, main(["export", "--ckpt", str(sharded), "--out", str(tmp_path / "out")]),
                                  "is a folder (an FSDP sharded checkpoint?)")
     assert "consolidate_checkpoint" in line and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU where there is none")
+def test_a_gpu_recipe_without_a_gpu_is_one_line(tmp_path, capsys):
+    code = main(["fit", "--recipe", "tiny-debug", "--trainer.accelerator", "gpu", f"--trainer.default_root_dir={tmp_path}"])
+    assert_one_line_error(capsys, code, "No supported gpu backend found")
