@@ -1,7 +1,7 @@
 """What Lightning's own strategies need to train a small fp32 estimator on a frozen bf16 base (DESIGN §8).
 
 Nothing here distributes anything: DDP and FSDP are Lightning's ``DDPStrategy`` and
-``FSDPStrategy``, set up by the recipes. This module holds the three pieces those
+``FSDPStrategy``, set up by the recipes. This module holds the four pieces those
 strategies do not know about our model:
 
 - :class:`KeepDtypesFSDPPrecision`: Lightning's FSDP precision plugin casts the

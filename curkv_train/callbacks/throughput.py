@@ -22,7 +22,10 @@ def _batch_tokens(batch: dict) -> int:
 class TokenThroughput(ThroughputMonitor):
     """ThroughputMonitor counting the tokens of ``context | continuation`` batches.
 
-    Logs ``train/samples_per_sec`` and ``train/items_per_sec`` (tokens per second); no FLOPs.
+    Logs ``train/device/samples_per_sec``, ``train/device/items_per_sec`` (tokens per second) and
+    ``train/device/batches_per_sec`` per process, and with several processes the same without
+    ``device/`` for the whole run; no FLOPs. The first reading comes once ``window_size`` batches
+    have run (a shorter run logs none).
 
     Args:
         window_size: batches averaged per reading.
