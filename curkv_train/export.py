@@ -116,8 +116,9 @@ def checkpoint_metrics(checkpoint: dict) -> dict:
     return found
 
 
-def logged_metrics(folder: Path) -> dict:
-    """Last value and step of every scalar in the run's TensorBoard event files ({} without any)."""
+def logged_metrics(folder: Path, up_to_step: int | None = None) -> dict:
+    """Last value and step of every scalar in the run's TensorBoard event files ({} without any), among those
+    logged at or before ``up_to_step`` (a checkpoint's step: a run goes on past the checkpoint exported)."""
     if not any(folder.glob("events.out.tfevents.*")):
         return {}
     try:
@@ -129,14 +130,15 @@ def logged_metrics(folder: Path) -> dict:
     events.Reload()
     last = {}
     for tag in events.Tags().get("scalars", []):
-        event = events.Scalars(tag)[-1]
-        last[tag] = {"step": event.step, "value": event.value}
+        logged = [event for event in events.Scalars(tag) if up_to_step is None or event.step <= up_to_step]
+        if logged:
+            last[tag] = {"step": logged[-1].step, "value": logged[-1].value}
     return last
 
 
 def run_metrics(ckpt: Path, checkpoint: dict) -> dict:
     """Training and validation metrics: logged scalars split by prefix, plus checkpoint callback scores."""
-    logged = logged_metrics(run_dir(ckpt))
+    logged = logged_metrics(run_dir(ckpt), checkpoint.get("global_step"))
     return {
         "training": {tag: value for tag, value in logged.items() if tag.startswith("train")},
         "validation": {tag: value for tag, value in logged.items() if tag.startswith("val")},

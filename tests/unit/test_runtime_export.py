@@ -235,3 +235,17 @@ def test_a_last_stage_inheriting_a_range_records_its_middle(tmp_path):
     assert record["settings"]["keep_ratio"] == pytest.approx(0.45)
     assert record["training"]["last_stage"]["compression_range"] == [0.3, 0.8]
     assert record["training"]["last_stage"]["streaming_rounds"] == 2
+
+
+def test_logged_metrics_stop_at_the_checkpoints_step(tmp_path):
+    """An earlier checkpoint of a run that went on records the metrics of its own step, not the run's last."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from curkv_train.export import logged_metrics
+
+    with SummaryWriter(str(tmp_path)) as writer:
+        for step in range(1, 6):
+            writer.add_scalar("train/loss", 10.0 * step, step)
+        writer.add_scalar("val/kl_hard", 0.5, 4)
+    assert logged_metrics(tmp_path, up_to_step=3) == {"train/loss": {"step": 3, "value": 30.0}}
+    assert logged_metrics(tmp_path)["train/loss"] == {"step": 5, "value": 50.0}
