@@ -80,5 +80,12 @@ class ResumableLoader(DataLoader):
         return {"batches_done": self.batches_done}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume after ``state["batches_done"]`` batches at the next iteration."""
-        self._resume_at = int(state.get("batches_done", 0))
+        """Resume after ``state["batches_done"]`` batches at the next iteration; a whole epoch done (a checkpoint
+        at an epoch's last batch) resumes at the start of the next one."""
+        done = int(state.get("batches_done", 0))
+        self._resume_at = 0 if done >= self.batches_per_epoch() else done
+
+    def batches_per_epoch(self) -> int:
+        """Batches of a whole epoch of this rank."""
+        samples = self.sampler.num_samples
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)

@@ -71,3 +71,25 @@ def test_ckpt_path_last_resumes_the_newest_version_folder_of_the_default_logger(
     second = runs / "version_1" / "checkpoints"
     assert sorted(path.name for path in second.glob("step=*.ckpt")) == ["step=4.ckpt"]  # no step 2: it resumed there
     assert torch.load(second / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
+def test_a_run_resumed_from_an_epoch_end_checkpoint_matches_an_uninterrupted_one(tmp_path):
+    """An epoch of 4 batches and a checkpoint at step 4: the resumed run trains the next epoch's blocks
+    (it trained nothing: the loader resumed "after 4 of 4 batches" with nothing left)."""
+    def settings(steps: int, ckpt_dir) -> dict:
+        return {"trainer": {"max_steps": steps, "limit_val_batches": 0, "logger": False, "enable_progress_bar": False,
+                            "enable_model_summary": False},
+                "checkpoint": checkpoint_config(ckpt_dir, 4),
+                "model": {"backend": "torch", "window": 8},
+                "data": {"context_length": 96, "continuation_length": 8, "batch_size": 2, "train_size": 8}}
+
+    whole = run_fit(settings(8, tmp_path / "whole" / "ckpt"), tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run_fit(settings(4, tmp_path / "split" / "ckpt"), tmp_path / "split")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_fit(settings(8, tmp_path / "split" / "ckpt"), tmp_path / "split", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = torch.load(tmp_path / "split" / "ckpt" / "last.ckpt", weights_only=False)
+    assert final["global_step"] == 8
+    assert_same_estimator(estimator_state(tmp_path / "whole" / "ckpt" / "last.ckpt"),
+                          estimator_state(tmp_path / "split" / "ckpt" / "last.ckpt"), atol=1e-6)

@@ -53,3 +53,13 @@ def test_resumed_loader_skips_the_batches_already_trained_on():
     assert [batch.tolist() for batch in resumed] == [[4, 5], [6, 7], [8, 9], [10, 11]]
     assert resumed.state_dict() == {"batches_done": 6}
     assert len(resumed) == 6 and len([batch for batch in resumed]) == 6  # the next epoch is whole again
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_loader_resumed_after_a_whole_epoch_starts_the_next_one_whole(drop_last):
+    sampler = BlockSampler(BLOCKS)
+    loader = ResumableLoader(BLOCKS, batch_size=5, sampler=sampler, drop_last=drop_last)
+    assert len([batch for batch in loader]) == loader.batches_per_epoch() == (2 if drop_last else 3)
+    resumed = ResumableLoader(BLOCKS, batch_size=5, sampler=BlockSampler(BLOCKS), drop_last=drop_last)
+    resumed.load_state_dict(loader.state_dict())
+    assert len(resumed) == loader.batches_per_epoch()  # not 0: Lightning would end the run with nothing trained
