@@ -100,14 +100,16 @@ class DataRecipe:
 
     @classmethod
     def of_scorers(cls, metadata: list[dict]) -> "DataRecipe":
-        """Every source of the recipes of several scorers (each evaluation text is held out from all of them);
-        the default without any recipe."""
+        """Every source of the recipes of several scorers (each evaluation text is held out from all of them); a
+        scorer without a recorded recipe counts as trained on the default sources, as it does alone."""
         recipes = [cls.of_scorer(entry) for entry in metadata]
         recorded = [recipe for recipe in recipes if recipe.origin != "default"]
         if not recorded:
             return cls(DEFAULT_SOURCES, "default")
-        return cls(tuple(dict.fromkeys(source for recipe in recorded for source in recipe.sources)),
-                   "scorer recipe" if len(recorded) == 1 else f"recipes of {len(recorded)} scorers")
+        sources = tuple(dict.fromkeys(source for recipe in recipes for source in recipe.sources))
+        if len(recorded) < len(recipes):
+            return cls(sources, f"recipes of {len(recorded)} scorers and the default")
+        return cls(sources, "scorer recipe" if len(recorded) == 1 else f"recipes of {len(recorded)} scorers")
 
     def source(self, kind: str) -> tuple[DocumentSource, str]:
         """The source the evaluation reads for ``kind`` and where its split came from.

@@ -149,3 +149,12 @@ def test_perplexity_examples_are_disjoint_blocks_while_the_stream_holds_them():
     assert sorted(ten) == list(range(0, 1000, 100))  # all ten slots, in a seeded order
     assert starts(10) == ten
     assert len(starts(12)) == 12  # beyond the disjoint blocks: random offsets
+
+
+def test_a_scorer_without_a_recipe_keeps_its_default_sources_next_to_one_with_a_recipe():
+    recorded = {"training": {"config": {"data": {"sources": [{"kind": "pydoc", "val_fraction": 0.5}]}}}}
+    recipe = DataRecipe.of_scorers([recorded, {}])
+    assert set(DEFAULT_SOURCES) <= set(recipe.sources) and len(recipe.sources) == 3
+    assert recipe.origin == "recipes of 1 scorers and the default"
+    assert recipe.source("pydoc")[0].val_fraction == 0.3  # the smaller held-out share: held out from both
+    assert DataRecipe.of_scorers([recorded]).origin == "scorer recipe"
