@@ -44,7 +44,7 @@ def stdlib_code() -> Iterator[dict]:
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():
-            yield {"id": f"stdlib/{path.relative_to(root)}", "text": text}
+            yield {"id": f"stdlib/{relative.as_posix()}", "text": text}
 
 
 def _stdlib_files(root: Path) -> Iterator[Path]:
@@ -63,7 +63,11 @@ def python_docs() -> Iterator[dict]:
 
 
 def local_files(path: str, text_field: str = "text") -> Iterator[dict]:
-    """Documents from a file or a folder of .txt/.md/.py/.jsonl/.parquet files."""
+    """Documents from a file or a folder of .txt/.md/.py/.jsonl/.parquet files.
+
+    A document's id (what its split is drawn from) is its path inside the folder (a file: its
+    name), so the split does not depend on where the folder is or how ``path`` was written.
+    """
     root = Path(path)
     if not root.exists():
         raise CurKVError(f"dataset path {path!r} does not exist")
@@ -72,21 +76,22 @@ def local_files(path: str, text_field: str = "text") -> Iterator[dict]:
     if not files:
         raise CurKVError(f"dataset path {path!r} has no .txt/.md/.py/.jsonl/.parquet files")
     for file in files:
+        name = file.name if root.is_file() else file.relative_to(root).as_posix()
         if file.suffix in TEXT_SUFFIXES:
-            yield {"id": str(file), "text": file.read_text(encoding="utf-8", errors="replace")}
+            yield {"id": name, "text": file.read_text(encoding="utf-8", errors="replace")}
             continue
-        yield from _table_rows(file, text_field)
+        yield from _table_rows(file, name, text_field)
 
 
-def _table_rows(file: Path, text_field: str) -> Iterator[dict]:
-    """Rows of a jsonl/parquet file through ``datasets``, keyed by file and row number."""
+def _table_rows(file: Path, name: str, text_field: str) -> Iterator[dict]:
+    """Rows of a jsonl/parquet file through ``datasets``, keyed ``name#row``."""
     from datasets import load_dataset
 
     table = load_dataset(TABLE_SUFFIXES[file.suffix], data_files=str(file), split="train")
     if text_field not in table.column_names:
         raise CurKVError(f"{file} has no column {text_field!r}; columns: {', '.join(table.column_names)}")
     for row, text in enumerate(table[text_field]):
-        yield {"id": f"{file}#{row}", "text": text}
+        yield {"id": f"{name}#{row}", "text": text}
 
 
 def hub_dataset(name: str, config: str | None = None, split: str = "train", text_field: str = "text",

@@ -118,3 +118,16 @@ def test_a_filler_array_gives_the_blocks_its_list_gives(builder, tokenizer):
     from_list = builder(tokenizer, filler, 300, 64, random.Random(5), protected=(4, 32))
     from_array = builder(tokenizer, np.asarray(filler, dtype=np.int32), 300, 64, random.Random(5), protected=(4, 32))
     assert torch.equal(from_list.input_ids, from_array.input_ids) and from_array.input_ids.dtype == torch.long
+
+
+def test_file_ids_and_so_splits_do_not_depend_on_how_the_folder_is_named(tmp_path, monkeypatch):
+    from curkv_train.data.corpora import local_files
+
+    (tmp_path / "corpus" / "sub").mkdir(parents=True)
+    for index in range(5):
+        (tmp_path / "corpus" / "sub" / f"doc{index}.txt").write_text(f"text {index}")
+    monkeypatch.chdir(tmp_path)
+    absolute = [document["id"] for document in local_files(str(tmp_path / "corpus"))]
+    relative = [document["id"] for document in local_files("./corpus/")]
+    assert absolute == relative == [f"sub/doc{index}.txt" for index in range(5)]
+    assert [document["id"] for document in local_files("corpus/sub/doc3.txt")] == ["doc3.txt"]
