@@ -16,6 +16,7 @@ from curkv_train.kernels.reference import (
 
 BACKENDS = ("auto", "torch", "triton")
 MIN_BLOCK = 16  # tl.dot's smallest tile: the kernels' blocks and head dims are powers of two of at least this
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels compute in
 
 
 def tileable_head_dim(head_dim: int) -> bool:
@@ -38,14 +39,17 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
-    """Map ``auto`` to ``triton`` on CUDA (or under the interpreter) and ``torch`` otherwise."""
+def resolve_backend(backend: str, tensor: torch.Tensor, tiled: bool = True) -> str:
+    """Map ``auto`` to ``triton`` on CUDA (or under the interpreter) where the kernels take ``tensor``
+    (a :data:`SUPPORTED_DTYPES` dtype and, for the ``tiled`` attention kernels, a :func:`tileable_head_dim`
+    last dimension), and to ``torch`` otherwise: the same semantics either way."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if (tensor.is_cuda or interpreting) and triton_available():
+    fits = tensor.dtype in SUPPORTED_DTYPES and (not tiled or tileable_head_dim(tensor.shape[-1]))
+    if (tensor.is_cuda or interpreting) and fits and triton_available():
         return "triton"
     return "torch"
 
@@ -72,7 +76,7 @@ def compact_kept(
     k: torch.Tensor, v: torch.Tensor, keep_idx: torch.Tensor, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K/V of the kept tokens; see :func:`compact_kept_reference` for shapes."""
-    if resolve_backend(backend, k) == "torch":
+    if resolve_backend(backend, k, tiled=False) == "torch":
         return compact_kept_reference(k, v, keep_idx)
     from curkv_train.kernels.compact_triton import compact_kept_triton
 

@@ -33,10 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from curkv_train.kernels.dispatch import MIN_BLOCK, check_head_dim
+from curkv_train.kernels.dispatch import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
 from curkv_train.kernels.reference import Factors
 from curkv_train.kernels.scored_attention_triton import (
-    SUPPORTED_DTYPES,
     _dot,
     _finite_or_zero,
     _interpreting,

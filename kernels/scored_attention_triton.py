@@ -34,12 +34,11 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from curkv_train.kernels.dispatch import MIN_BLOCK, check_head_dim
+from curkv_train.kernels.dispatch import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
 
 # Block sizes under the interpreter (CPU), capped by the problem size; on CUDA the
 # kernels are autotuned over the configs below unless the caller fixes the blocks.
 INTERPRET_MAX_BLOCK = 64
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _FWD_CONFIGS = [
     (128, 64, 8, 3),

@@ -218,3 +218,15 @@ def test_dispatch_unknown_backend():
     q, k, v, bias = make_inputs(torch.float32, batch=1, q_heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="unknown kernel backend"):
         scored_attention(q, k, v, bias, backend="cuda")
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 24), (torch.float64, 16)])
+def test_auto_takes_the_reference_where_the_kernels_cannot(dtype, head_dim):
+    """A head_dim the kernels cannot tile (e.g. Phi-3's 96) or float64: auto falls back, an explicit triton refuses."""
+    q, k, v, bias = make_inputs(dtype, batch=1, q_heads=2, kv_heads=1, head_dim=head_dim)
+    assert resolve_backend("auto", q) == "torch"
+    untiled = "torch" if dtype == torch.float64 else "triton"  # the compaction kernel takes any head_dim
+    assert resolve_backend("auto", k, tiled=False) == untiled
+    torch.testing.assert_close(scored_attention(q, k, v, bias), scored_attention_reference(q, k, v, bias))
+    with pytest.raises(ValueError):
+        scored_attention(q, k, v, bias, backend="triton")
