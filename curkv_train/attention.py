@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from curkv_train.errors import CurKVError
@@ -72,8 +73,7 @@ def curkv_attention_forward(
     if full and (attention_mask is not None or query.shape[2] == key.shape[2]):
         # A square causal block or an explicit mask: SDPA reads both correctly.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if attention_mask is not None:
-        raise CurKVError("curkv attention does not support padded batches; use equal-length examples")
+    check_unpadded(attention_mask)  # unpadded, the mask is causal only: applied below (bottom-right)
     layer = module.layer_idx
     if state is None or state.mode != "scored":
         # No bias: plain attention, bottom-right causal (transformers passes mask=None for queries over
@@ -92,9 +92,30 @@ def curkv_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def check_unpadded(attention_mask: torch.Tensor | None) -> None:
+    """A CurKVError when the model's 4D mask (batch, 1, queries, keys) hides a past key from a row's last query.
+
+    Without padding the last query of every row sees every key (causal); a padded (left- or
+    right-) batch hides its padding, which per-head compression (CurKVCache's compaction, the
+    training passes' key biases) cannot follow.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return
+    last = attention_mask[:, :, -1, :]
+    hidden = ~last if last.dtype == torch.bool else last < torch.finfo(last.dtype).min / 2
+    if bool(hidden.any()):
+        raise CurKVError("compressed attention does not support padded batches (the attention mask hides tokens of a row); "
+                         "run one sequence per cache, or batch sequences of equal length without padding")
+
+
 def register_attention() -> str:
-    """Register :func:`curkv_attention_forward` under ``curkv`` (idempotent) and return the name."""
+    """Register :func:`curkv_attention_forward` under ``curkv`` (idempotent) and return the name.
+
+    Its mask function is SDPA's, so a padded batch's mask reaches it (without one, transformers
+    passes no mask at all and padding would be attended silently).
+    """
     AttentionInterface.register(ATTENTION_NAME, curkv_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return ATTENTION_NAME
 
 

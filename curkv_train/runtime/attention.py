@@ -38,6 +38,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from curkv_train.attention import check_unpadded
 from curkv_train.core.observation import attention_modules
 from curkv_train.errors import CurKVError
 from curkv_train.kernels import factored_attention
@@ -109,21 +110,6 @@ def check_within_window(window: int | None, held: int, new: int) -> None:
         raise CurKVError(f"the model's sliding window ({window} tokens) is exceeded: {held} held + {new} new tokens; "
                          "CurKVCache does not slide a window over compressed tokens: stay within it, or use a model "
                          "without a sliding window")
-
-
-def check_unpadded(attention_mask: torch.Tensor | None) -> None:
-    """A CurKVError when the model's 4D mask (batch, 1, queries, keys) hides a past key from a row's last query.
-
-    Without padding the last query of every row sees every key (causal); a padded (left- or
-    right-) batch hides its padding, which CurKVCache's per-head compaction cannot follow.
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        return
-    last = attention_mask[:, :, -1, :]
-    hidden = ~last if last.dtype == torch.bool else last < torch.finfo(last.dtype).min / 2
-    if bool(hidden.any()):
-        raise CurKVError("CurKVCache does not support padded batches (the attention mask hides tokens of a row); "
-                         "run one sequence per cache, or batch sequences of equal length without padding")
 
 
 def _eager_function(module: torch.nn.Module) -> AttentionFn:

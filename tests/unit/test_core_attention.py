@@ -55,3 +55,23 @@ def test_patched_model_matches_eager_model(models, mode):
     if mode == "reconstruct":
         assert set(state.reconstruction) == {0, 1}
         assert state.reconstruction[0].shape == (2, 2, 10)
+
+
+def test_a_padded_batch_is_masked_in_full_mode_and_refused_when_compressed():
+    """The padding mask reaches the curkv function (transformers passed none without a mask function)."""
+    from transformers import DynamicCache
+
+    from curkv_train.errors import CurKVError
+
+    patched, reference = patch_model(load_base_model(TINY_RANDOM)), load_base_model(TINY_RANDOM)
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        ours, theirs = (model(ids, attention_mask=mask).logits for model in (patched, reference))
+        torch.testing.assert_close(ours[1, 3:], theirs[1, 3:], atol=1e-5, rtol=1e-5)
+        cache = DynamicCache(config=patched.config)
+        patched(ids, attention_mask=mask, past_key_values=cache)
+        state = CompressionState("scored", context_length=6, key_bias=[torch.zeros(2, 2, 6)] * 2, backend="torch")
+        with pytest.raises(CurKVError, match="padded batches"):
+            patched.get_decoder()(input_ids=ids[:, :2], attention_mask=torch.cat([mask, mask[:, :2]], dim=1),
+                                  past_key_values=cache, curkv_state=state)
