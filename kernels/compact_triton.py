@@ -25,8 +25,9 @@ def _gather_rows_kernel(Src, Idx, Dst, N, K, H,
 
     Out-of-range indices (not in [0, N)) are never read and give zero rows.
     """
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    pid_bh = tl.program_id(1)
+    # int64 offsets: batch·heads·K·dim passes 2**31 for long contexts at large batches
+    offs_k = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     offs_d = tl.arange(0, BLOCK_D)
