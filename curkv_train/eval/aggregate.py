@@ -41,10 +41,12 @@ def breakdowns(kind: str, main: str, sums: dict[str, np.ndarray], full: dict[str
 
 
 def result_row(method: str, ratio: float, task: str, kind: str, main: str, sums: dict[str, np.ndarray],
-               full: dict[str, np.ndarray] | None, tags: list[dict[str, str]], bootstrap: Bootstrap) -> dict:
-    """The results row of one (method, ratio, task) from its per-example ``sums`` (see the module docstring)."""
+               full: dict[str, np.ndarray] | None, tags: list[dict[str, str]], bootstrap: Bootstrap,
+               groups: list[int] | None = None) -> dict:
+    """The results row of one (method, ratio, task) from its per-example ``sums`` (see the module docstring);
+    ``groups``: examples resampled together (:meth:`Bootstrap.weights`), kept in the row as ``example_groups``."""
     metrics = finalize(kind, total(sums), total(full) if full else None)
-    weights = bootstrap.weights(len(tags), task)
+    weights = bootstrap.weights(len(tags), task, groups)
     intervals = {name: list(bootstrap.interval(metric_samples(kind, name, sums, full, weights)))
                  for name in metrics if name not in BUDGET_METRICS}
     per_example = finalize(kind, sums, full)[main]
@@ -52,7 +54,8 @@ def result_row(method: str, ratio: float, task: str, kind: str, main: str, sums:
             "metrics": {**metrics, **breakdowns(kind, main, sums, full, tags)},
             "intervals": intervals,
             "example_values": {main: np.atleast_1d(per_example).tolist()},
-            "example_sums": {key: values.tolist() for key, values in sums.items()}}
+            "example_sums": {key: values.tolist() for key, values in sums.items()},
+            **({"example_groups": list(groups)} if groups is not None else {})}
 
 
 def result_rows(log: ExampleSums, tags: dict[str, list[dict[str, str]]], main_metric: dict[str, str],

@@ -3,7 +3,7 @@
 The ablation reading of a run: for each pair ``A..B`` (method names as in the run's rows; ``..``
 because names hold ``:``), per task and ratio, A's main metric minus B's on the same examples,
 with the paired 95 % bootstrap interval and the verdict the run's summary uses (prefill rows per
-example, streaming rows per segment)::
+example, streaming rows per document, its segments resampled together)::
 
     curkv-train compare --run runs/eval-ablation --pairs "curkv:query_aware_dense..curkv:query_aware"
 """
@@ -24,20 +24,31 @@ SEPARATOR = ".."
 
 
 def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
-    """(method, setting, task) -> (row, kind, metric, full row, bootstrap) of a run's prefill rows (setting: the
-    ratio) and streaming rows (setting: the memory setting's label; the metric is the perplexity increase)."""
+    """(method, setting, task) -> (row, kind, metric, full row, bootstrap, groups) of a run's prefill rows
+    (setting: the ratio; examples resampled one by one) and streaming rows (setting: the memory setting's
+    label; the metric is the perplexity increase; segments resampled by document)."""
     cells = {}
     prefill = {(row["method"], row["ratio"], row["task"]): row for row in results["rows"]}
     bootstrap = Bootstrap(**results["bootstrap"])
     for (method, ratio, task), row in prefill.items():
         cells[(method, f"{ratio:g}", task)] = (row, TASKS[task][0], results["main_metric"][task],
-                                               prefill.get(("full", 0.0, task)), bootstrap)
+                                               prefill.get(("full", 0.0, task)), bootstrap, None)
     streaming = results.get("streaming") or {"rows": [], "bootstrap": results["bootstrap"]}
     stream = {(row["method"], row["setting"], row["task"]): row for row in streaming["rows"]}
     bootstrap = Bootstrap(**streaming["bootstrap"])
     for (method, setting, task), row in stream.items():
-        cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)), bootstrap)
+        groups = row.get("example_groups") or _document_of_segments(streaming, task, len(row["example_sums"]["nll"]))
+        cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)), bootstrap, groups)
     return cells
+
+
+def _document_of_segments(streaming: dict, task: str, segments: int) -> list[int] | None:
+    """Each segment's document in a run written before rows kept ``example_groups`` (2026-12-05), from its
+    documents' lengths, prefix and segment size; None where they do not account for ``segments``."""
+    counts = [-(-(document["tokens"] - streaming["prefix"]) // streaming["segment"])
+              for document in (streaming.get("documents") or {}).get(task, [])]
+    groups = [number for number, count in enumerate(counts) for _ in range(count)]
+    return groups if len(groups) == segments else None
 
 
 def _row_at(cells: dict, method: str, setting: str, task: str, full_row: dict | None) -> dict | None:
@@ -71,14 +82,14 @@ def compare_methods(results: dict, first: str, second: str) -> list[dict]:
         raise CurKVError(f"method(s) {', '.join(map(repr, missing))} not in this run; it has: {', '.join(sorted(known))}")
     anchor = second if first == FULL else first
     entries = []
-    for (method, setting, task), (row, kind, name, full_row, bootstrap) in cells.items():
+    for (method, setting, task), (row, kind, name, full_row, bootstrap, groups) in cells.items():
         if method != anchor:
             continue
         rows = {method: _row_at(cells, method, setting, task, full_row) for method in (first, second)}
         if None in rows.values():
             continue
         ours = example_sums(rows[first])
-        weights = bootstrap.weights(len(next(iter(ours.values()))), task)
+        weights = bootstrap.weights(len(next(iter(ours.values()))), task, groups)
         difference = paired_difference(kind, name, ours, example_sums(rows[second]),
                                        example_sums(full_row) if full_row else None, weights, bootstrap)
         entries.append({"task": task, "setting": setting, "metric": name, first: rows[first]["metrics"][name],

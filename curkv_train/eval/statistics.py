@@ -11,7 +11,7 @@ intervals of those resampled metrics.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -42,16 +42,23 @@ class Bootstrap:
             raise CurKVError(f"the bootstrap needs at least 1 resample and a confidence in (0, 1), got "
                              f"{self.resamples} and {self.confidence}")
 
-    def weights(self, examples: int, task: str) -> np.ndarray:
+    def weights(self, examples: int, task: str, groups: Sequence[int] | None = None) -> np.ndarray:
         """(resamples, examples) how often each example is drawn in each resample.
 
-        The same for every method of ``task``, so differences between methods are paired.
+        The same for every method of ``task``, so differences between methods are paired. With
+        ``groups`` (examples,) (e.g. the document of each segment of a streamed document) whole groups
+        are resampled, each example drawn as often as its group: the examples of one group are not
+        independent, and resampling them one by one would give intervals too narrow.
         """
         rng = np.random.default_rng([self.seed, zlib.crc32(task.encode())])
-        drawn = rng.integers(0, examples, size=(self.resamples, examples))
-        weights = np.zeros((self.resamples, examples))
-        np.add.at(weights, (np.arange(self.resamples)[:, None], drawn), 1.0)
-        return weights
+        labels = np.arange(examples) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+        if len(labels) != examples:
+            raise ValueError(f"{len(labels)} group labels for {examples} examples")
+        units = int(labels.max()) + 1 if examples else 0
+        drawn = rng.integers(0, units, size=(self.resamples, units))
+        counts = np.zeros((self.resamples, units))
+        np.add.at(counts, (np.arange(self.resamples)[:, None], drawn), 1.0)
+        return counts[:, labels]
 
     def interval(self, samples: np.ndarray) -> tuple[float, float]:
         """(low, high) percentile interval of ``samples`` (resamples,), NaN resamples ignored."""

@@ -212,15 +212,16 @@ def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, sk
         if method in skipped or full_cell is None or len(cell.sums) != len(full_cell.sums):
             continue
         sums, full = _joined(cell.sums), _joined(full_cell.sums)
-        tags = [{"document": str(number)} for number, part in enumerate(cell.sums) for _ in part["tokens"]]
+        groups = [number for number, part in enumerate(cell.sums) for _ in part["tokens"]]
+        tags = [{"document": str(number)} for number in groups]
         row = result_row(method, ratios.get(label, 0.0 if method == FULL else None), task, "ppl", MAIN_METRIC,
-                         sums, full, tags, settings.bootstrap)
+                         sums, full, tags, settings.bootstrap, groups)
         row["setting"] = label
         metrics, intervals = row["metrics"], row["intervals"]
         metrics.pop("kl", None)
         intervals.pop("kl", None)
         metrics["nll"] = float(sums["nll"].sum() / sums["tokens"].sum())
-        weights = settings.bootstrap.weights(len(sums["tokens"]), task)
+        weights = settings.bootstrap.weights(len(sums["tokens"]), task, groups)
         intervals["nll"] = list(settings.bootstrap.interval((weights @ sums["nll"]) / (weights @ sums["tokens"])))
         full_ends = [end["kv_bytes_end"] for end in full_cell.ends]
         metrics["kv_bytes_end"] = float(np.mean([end["kv_bytes_end"] for end in cell.ends]))
@@ -234,7 +235,8 @@ def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, sk
 
 def summarize_streaming(rows: list[dict], bootstrap: Bootstrap, *, main: str | None) -> list[dict]:
     """Per task and setting: the main scorer's default cache against ``recency`` (equal bytes, the score
-    alone differs) and against the best other non-curkv method, paired over the same segments."""
+    alone differs) and against the best other non-curkv method, paired over the same segments, resampled
+    by document."""
     if not main:
         return []
     table = {(row["method"], row["setting"], row["task"]): row for row in rows}
@@ -258,7 +260,7 @@ def summarize_streaming(rows: list[dict], bootstrap: Bootstrap, *, main: str | N
                     continue
                 ours = {key: np.asarray(value) for key, value in mine["example_sums"].items()}
                 other = {key: np.asarray(value) for key, value in theirs["example_sums"].items()}
-                weights = bootstrap.weights(len(ours["tokens"]), task)
+                weights = bootstrap.weights(len(ours["tokens"]), task, mine.get("example_groups"))
                 difference = paired_difference("ppl", MAIN_METRIC, ours, other, full, weights, bootstrap)
                 entries.append({"task": task, "setting": label, "against": kind, "method": main,
                                 "value": mine["metrics"][MAIN_METRIC], "baseline": theirs["method"],

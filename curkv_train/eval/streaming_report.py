@@ -59,7 +59,7 @@ def _summary(streaming: dict) -> list[str]:
     return lines + ["", "`recency` is the scorer's own cache with score = position (same tiers, selection and bytes): "
                         "the learned choice against keeping the newest tokens at equal bytes. The best is the best "
                         "point estimate among the other non-curkv methods. Verdicts read the paired bootstrap "
-                        "interval over segments (lower ΔPPL is better).", ""]
+                        "interval over documents (lower ΔPPL is better).", ""]
 
 
 def streaming_markdown(streaming: dict) -> list[str]:
@@ -75,9 +75,9 @@ def streaming_markdown(streaming: dict) -> list[str]:
              "fixed budgets (tokens per (layer, KV head), or bytes for the whole cache). Bytes held: "
              "`CurKVCache.nbytes()` (every tier, positions, observation) or the K/V tensors of a DynamicCache, after "
              "every step, as % of the full cache's (mean over the steps; at the end in parentheses). Intervals: "
-             f"{100 * bootstrap.get('confidence', 0.95):g} % bootstrap over {streaming['segment']}-token segments of "
-             f"the scored tokens ({bootstrap.get('resamples', '?')} resamples); segments of one document are not "
-             "independent, so these intervals are narrower than intervals over documents.", ""]
+             f"{100 * bootstrap.get('confidence', 0.95):g} % bootstrap over documents ({bootstrap.get('resamples', '?')} "
+             f"resamples; each document's {streaming['segment']}-token segments of scored tokens drawn together, "
+             "since segments of one document are not independent): with few documents the intervals are wide.", ""]
     if any(setting.get("max_tokens") or setting.get("max_bytes") for setting in streaming.get("settings", [])):
         lines += ["Under a fixed budget every cache runs at keep ratio 1.0, and the runtime CurKVCache forms its "
                   "cold tier only while its keep ratio is below 1: in the budget columns `curkv_cold` and "

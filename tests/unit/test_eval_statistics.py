@@ -189,3 +189,31 @@ def test_report_names_masked_presses_and_prefill_cost_against_the_plain_prefill(
     assert "the plain prefill 1 s; `kvpress:kvzip` 3 s (3.0×), `kvpress:knorm` 1 s (1.0×)" in markdown
     assert "`kvpress:kvzip` mask evicted keys instead of dropping them" in markdown
     assert "**prefill_seconds**" in markdown and "| kvpress:kvzip | 3 s |" in markdown
+
+
+def test_grouped_weights_resample_whole_groups_and_ungrouped_ones_are_unchanged():
+    bootstrap = Bootstrap(resamples=300, seed=3)
+    groups = [0] * 4 + [1] * 4 + [2] * 4
+    weights = bootstrap.weights(12, "stream_text", groups)
+    assert weights.shape == (300, 12) and np.all(weights.sum(axis=1) == 12)
+    for block in range(3):  # a document's segments are drawn together, as often as the document
+        assert np.all(weights[:, 4 * block : 4 * block + 4] == weights[:, [4 * block]])
+    assert np.array_equal(bootstrap.weights(12, "stream_text", list(range(12))), bootstrap.weights(12, "stream_text"))
+
+
+def test_document_resampling_widens_a_difference_that_one_document_carries():
+    """Six documents of ten segments: one document far better, the others equal. Segment by segment the gain
+    looks certain; document by document it is one document of six, and the interval says so."""
+    from curkv_train.eval.statistics import paired_difference
+
+    segments, groups = 60, [index // 10 for index in range(60)]
+    tokens = np.full(segments, 100.0)
+    full = {"nll": tokens * 2.0, "tokens": tokens}
+    theirs = {"nll": tokens * 2.02, "tokens": tokens}
+    ours = {"nll": np.where(np.asarray(groups) == 0, 1.90, 2.02) * tokens, "tokens": tokens}
+    bootstrap = Bootstrap(resamples=2000)
+    by_segment = paired_difference("ppl", "ppl_increase_pct", ours, theirs, full,
+                                   bootstrap.weights(segments, "t"), bootstrap)
+    by_document = paired_difference("ppl", "ppl_increase_pct", ours, theirs, full,
+                                    bootstrap.weights(segments, "t", groups), bootstrap)
+    assert by_document.high - by_document.low > 1.5 * (by_segment.high - by_segment.low)
