@@ -329,7 +329,8 @@ def write_run(run_dir: str | Path, results: dict, config: dict) -> Path:
     pngs = plot_pngs(results)
     if results.get("streaming"):
         pngs.update(streaming_pngs(results["streaming"]))
-    for name, png in pngs.items():
-        write_atomic(run_dir / "plots" / name, png)
+    with atomic_folder(run_dir / "plots") as staging:  # swapped in whole: no plot of an earlier run stays
+        for name, png in pngs.items():
+            (staging / name).write_bytes(png)
     write_tensorboard(run_dir / "tensorboard", results)
     return run_dir

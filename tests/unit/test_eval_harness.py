@@ -11,6 +11,7 @@ from curkv_train import cli
 from curkv_train.cli import function_parser
 from curkv_train.eval import cli as eval_cli
 from curkv_train.eval.methods import METHODS
+from curkv_train.eval.report import write_run
 from curkv_train.eval.tasks import TASKS
 from curkv_train.models.base import TINY_RANDOM
 from curkv_train.models.estimator import ValueEstimator
@@ -72,6 +73,10 @@ def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run / "tensorboard" / "curkv").glob("events.out.tfevents.*"))
     assert not [path for path in run.rglob(".*")]  # no temporary files left behind
+    plots = sorted(path.name for path in (run / "plots").iterdir())
+    (run / "plots" / "earlier_task__accuracy.png").write_bytes(b"stale")
+    write_run(run, results, json.loads((run / "results.json").read_text())["config"])  # a rerun into the same --out
+    assert sorted(path.name for path in (run / "plots").iterdir()) == plots
 
 
 @pytest.mark.parametrize(
