@@ -142,10 +142,7 @@ class CurKVDataModule(L.LightningDataModule):
                 raise
             log.warning("%s has no held-out documents; validation reuses training text", kind)
             return self.stream(source, "train")
-        if source.kind not in SYNTHETIC_TASKS and len(stream) < self.context_length + self.continuation_length:
-            raise CurKVError(f"data source {source.path or source.name or source.kind!r} has only {len(stream)} "
-                             f"{split} tokens, fewer than one block of "
-                             f"{self.context_length + self.continuation_length}")
+        check_stream_length(source, stream, split, self.context_length + self.continuation_length)
         return stream
 
     def setup(self, stage: str | None = None) -> None:
@@ -169,6 +166,8 @@ class CurKVDataModule(L.LightningDataModule):
         continuation_length = continuation_length or (train.continuation_length if train else self.continuation_length)
         check_block_shape(context_length, continuation_length, self.n_sink, self.window, self.max_positions)
         if train is not None:
+            for source, stream in zip(train.sources, train.streams):
+                check_stream_length(source, stream, "train", context_length + continuation_length)
             train.context_length, train.continuation_length = context_length, continuation_length
 
     def train_dataloader(self) -> DataLoader:
@@ -194,6 +193,14 @@ def check_block_shape(context_length: int, continuation_length: int, n_sink: int
     total = context_length + continuation_length
     if max_positions and total > max_positions:
         raise CurKVError(f"context + continuation = {total} tokens exceeds the model's {max_positions} positions")
+
+
+def check_stream_length(source: DataSource, stream: np.ndarray, split: str, block: int) -> None:
+    """A CurKVError when ``stream`` (a document source's, or a synthetic task's filler) is shorter than one block."""
+    if len(stream) < block:
+        what = f"the filler of {source.kind}" if source.kind in SYNTHETIC_TASKS else "data source"
+        raise CurKVError(f"{what} {source.path or source.name or source.kind!r} has only {len(stream)} {split} tokens, "
+                         f"fewer than one block of {block}")
 
 
 def collate_blocks(items: list[dict]) -> dict:

@@ -131,3 +131,14 @@ def test_file_ids_and_so_splits_do_not_depend_on_how_the_folder_is_named(tmp_pat
     relative = [document["id"] for document in local_files("./corpus/")]
     assert absolute == relative == [f"sub/doc{index}.txt" for index in range(5)]
     assert [document["id"] for document in local_files("corpus/sub/doc3.txt")] == ["doc3.txt"]
+
+
+@pytest.mark.parametrize("kind", ["files", "passkey"])
+def test_a_curriculum_shape_longer_than_a_stream_is_one_error(tmp_path, kind):
+    (tmp_path / "a.txt").write_text("hello world, " * 50)  # 650 byte tokens
+    source = DataSource(kind=kind, path=str(tmp_path), val_fraction=0.0, filler="files")
+    data = CurKVDataModule(sources=[source], context_length=100, continuation_length=40, window=16, train_size=2)
+    data.setup("fit")
+    with pytest.raises(CurKVError, match="fewer than one block of 1040"):
+        data.set_block_shape(1000, 40)
+    assert data.datasets["train"].context_length == 100  # unchanged
