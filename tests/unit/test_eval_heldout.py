@@ -53,7 +53,7 @@ def write_split_files(folder: Path, split: str, texts: list[str], val_fraction: 
     folder.mkdir(exist_ok=True)
     number = 0
     for text in texts:
-        while split_of(str(folder / f"doc{number}.txt"), val_fraction) != split:
+        while split_of(f"doc{number}.txt", val_fraction) != split:  # a file's id: its path in the folder
             number += 1
         (folder / f"doc{number}.txt").write_text(text)
         number += 1
