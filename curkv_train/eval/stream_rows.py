@@ -92,7 +92,7 @@ class StreamSettings:
         memory: the memory settings (ratios and budgets) every compressing method runs at.
         prefix: tokens prefilled at once; the perplexity is over the tokens after them.
         chunk: tokens fed per step after the prefix (1 = token by token).
-        segment: scored tokens per bootstrap unit.
+        segment: scored tokens per recorded segment (the bootstrap resamples whole documents).
         backend: compaction / factored-attention kernel backend.
         kvpress: also run kvpress's DecodingPress rows.
         seed: bootstrap and press seed.

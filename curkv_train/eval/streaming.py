@@ -30,9 +30,9 @@ ratio 1 − ratio, the runtime cache's ``keep_ratio``) or a fixed budget (``max_
 
 Bytes held are :meth:`CurKVCache.nbytes` (every tier, positions, observation) or the K/V
 tensors of a DynamicCache, measured after every step; rows report their mean over the steps
-and their value at the end. Intervals resample ``segment``-token stretches of the scored
-tokens (paired across methods); stretches of one document are not independent, so they are
-narrower than intervals over documents would be.
+and their value at the end. Intervals resample documents (paired across methods), each
+document's ``segment``-token stretches of scored tokens drawn together: stretches of one
+document are not independent. ``segment`` sets the rows' per-segment records only.
 """
 
 from __future__ import annotations
