@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -121,7 +120,8 @@ class Curriculum(Callback):
         settings: dict = {}
         for stage in self.stages[: index + 1]:
             if stage.keep_ratio is not None or stage.compression_range is not None:
-                settings.pop("keep_ratio", None), settings.pop("compression_range", None)
+                for name in ("keep_ratio", "compression_range"):
+                    settings.pop(name, None)
             settings.update({k: v for k, v in asdict(stage).items() if v is not None})
         return settings
 
@@ -156,7 +156,7 @@ class Curriculum(Callback):
     def training_settings(settings: dict, current: TrainingSettings) -> TrainingSettings:
         """``current`` with the fields ``settings`` (of :meth:`settings_at`) resolves."""
         names = {field.name for field in fields(TrainingSettings)}
-        return dataclasses.replace(current, **{name: settings[name] for name in names if name in settings})
+        return replace(current, **{name: settings[name] for name in names if name in settings})
 
     def reshape_data(self, trainer: L.Trainer, step: int) -> None:
         """Give the training data the block shape of step ``step`` (no-op where no stage sets one)."""
