@@ -38,6 +38,7 @@ from curkv_train.eval.scorers import (
     parse_scorers,
     scorer_base,
     scorer_fallback,
+    with_spans,
 )
 from curkv_train.eval.stream_documents import STREAM_TASKS, load_stream_documents
 from curkv_train.eval.stream_rows import StreamSettings, check_memory, memory_settings, select_rows, stream_methods
@@ -137,8 +138,10 @@ def run_eval(
         continuation_length: continuation tokens per example (scored).
         examples: examples per task.
         seed: seed of the held-out examples and of the random method.
-        n_sink: always-kept leading tokens; default the scorer's (else 4).
-        window: always-kept recent tokens; default the scorer's (else 64).
+        n_sink: always-kept leading tokens; default the main scorer's (else 4). Every row protects them: the
+            selections, and the runtime caches (curkv_cache, the streaming rows) as their sinks.
+        window: always-kept recent tokens; default the main scorer's (else 64). Every row protects them: the
+            selections, and the runtime caches as their window (the hot tier is ``hot_windows`` of them).
         passkey_depths: passkey needle depths, comma-separated, in [0, 1].
         passkey_lengths: passkey context lengths; default context_length / 2 and context_length.
         kvpress: also run kvpress's own presses as ``kvpress:<name>`` rows (cross-check); in the streaming
@@ -191,12 +194,13 @@ def run_eval(
 
     model = load_base_model(base, fallback=fallback, dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(base, fallback=fallback)
-    scorers = build_scorers(entries, trained, model, base)
+    scorers = build_scorers(entries, trained, model, base, spans=(n_sink, window))  # every row protects the same
     for loaded in scorers.values():
         check_scorer_fits(loaded, model)
     if budget_baselines:
         settings.baseline_budget = main_budget(scorers[main.method] if main else None)
-    rows, skipped = _stream_rows(model, scorers, main, base, stream, options) if stream is not None else ({}, [])
+    rows, skipped = (_stream_rows(model, scorers, main, base, stream, options, (n_sink, window)) if stream is not None
+                     else ({}, []))
     recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
     training = training_hashes(tokenizer, list(recipe.sources))
     progress = lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True)
@@ -250,10 +254,10 @@ def _stream_settings(options: dict) -> StreamSettings:
 
 
 def _stream_rows(model, scorers: dict[str, Scorer], main: ScorerEntry | None, base: str, stream: StreamSettings,
-                 options: dict) -> tuple[dict, list]:
+                 options: dict, spans: tuple[int, int]) -> tuple[dict, list]:
     """The streaming task's rows (``--stream_rows`` of them) and the ones skipped, after checking the length
-    against the model and the memory the rows would take."""
-    carrier = scorers[main.method] if main else fresh_scorer("seed", model, base)
+    against the model and the memory the rows would take; ``spans``: the run's (n_sink, window)."""
+    carrier = scorers[main.method] if main else with_spans(fresh_scorer("seed", model, base), *spans)
     stream.check_length(options["stream_length"], getattr(text_config(model.config), "max_position_embeddings", None))
     check_memory(model, scorers, carrier, stream)
     rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)

@@ -10,6 +10,8 @@ recipe, the base model and the protected spans when they are not given.
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from dataclasses import dataclass
 
@@ -146,7 +148,15 @@ def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -
 
 
 def build_scorers(entries: list[ScorerEntry], trained: dict[str, Scorer], model: PreTrainedModel,
-                  base: str | None = None) -> dict[str, Scorer]:
-    """Every entry's scorer by method name, in entry order (``init:`` ones built for ``model`` now)."""
-    return {entry.method: trained[entry.method] if entry.family is None else fresh_scorer(entry.family, model, base)
-            for entry in entries}
+                  base: str | None = None, spans: tuple[int, int] | None = None) -> dict[str, Scorer]:
+    """Every entry's scorer by method name, in entry order (``init:`` ones built for ``model`` now); with
+    ``spans`` = (n_sink, window), each protects those spans instead of its own (:func:`with_spans`)."""
+    scorers = {entry.method: trained[entry.method] if entry.family is None else fresh_scorer(entry.family, model, base)
+               for entry in entries}
+    return scorers if spans is None else {name: with_spans(scorer, *spans) for name, scorer in scorers.items()}
+
+
+def with_spans(scorer: Scorer, n_sink: int, window: int) -> Scorer:
+    """A copy of ``scorer`` (sharing its estimator) protecting ``n_sink`` leading and ``window`` recent tokens:
+    what a CurKVCache built on it holds by default (its sinks and its hot tier, in windows)."""
+    return dataclasses.replace(scorer, n_sink=n_sink, window=window)

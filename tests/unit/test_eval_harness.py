@@ -164,8 +164,9 @@ def test_several_scorers_each_get_rows_and_the_first_gets_the_verdict(tmp_path, 
     rows = {(row["method"], row["ratio"]): row["metrics"] for row in results["rows"]}
     assert {method for method, _ in rows} == {"full", "streaming_llm", "knorm", "curkv:main", "curkv:fresh",
                                               "curkv_cache:main", "curkv_cache:fresh"}
+    # every row protects the main scorer's spans (4, 16), the fresh one's cache too (its own default window is 64)
     assert results["config"]["scorers"]["curkv:fresh"] == {"source": "init:query_aware", "family": "query_aware",
-                                                           "n_sink": 4, "window": 64, "trained": False}
+                                                           "n_sink": 4, "window": 16, "trained": False}
     for entry in results["summary"]:
         assert entry["method"] == "curkv:main" and not entry["baseline"].startswith("curkv")
     for name in ("curkv_cache:main", "curkv_cache:fresh"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -308,3 +309,32 @@ def test_a_segment_no_step_starts_in_takes_the_step_that_scored_it():
     sums = segment_sums(StreamTrace(np.ones(192), steps, 1.0), 16)
     assert sums["kv_bytes"].tolist() == [100.0] * 4 + [200.0] * 4 + [300.0] * 4
     assert sums["context_tokens"].tolist() == [64.0] * 4 + [128.0] * 4 + [192.0] * 4
+
+
+def test_given_spans_reach_every_runtime_cache(tmp_path, capsys, monkeypatch):
+    """--n_sink / --window reach the curkv_cache rows and every streaming cache, not only the selections."""
+    from test_eval_harness import export_scorer
+
+    from curkv_train import cli
+    from curkv_train.runtime.cache import CurKVCache
+
+    spans = []
+    original = CurKVCache.__init__
+
+    @functools.wraps(original)  # the report reads the cache's defaults from its signature
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        spans.append((type(self).__name__, self.settings.n_sink, self.settings.window))
+
+    monkeypatch.setattr(CurKVCache, "__init__", recording)
+    scorer = export_scorer(tmp_path / "scorer")  # n_sink 4, window 16
+    code = cli.main(["eval", "--scorer", str(scorer), "--tasks", "ppl_text,stream_text", "--methods", "full,curkv_cache",
+                     "--ratios", "0.5", "--n_sink", "2", "--window", "8", "--context_length", "128",
+                     "--continuation_length", "48", "--examples", "1", "--stream_length", "300", "--stream_prefix",
+                     "120", "--stream_chunk", "32", "--stream_documents", "1", "--stream_segment", "60",
+                     "--backend", "torch", "--out", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    assert {name for name, _, _ in spans} == {"CurKVCache", "RecencyCache"}
+    assert {(n_sink, window) for _, n_sink, window in spans} == {(2, 8)}
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["config"]["scorers"]["curkv"]["n_sink"] == 2 and results["config"]["window"] == 8
