@@ -150,7 +150,8 @@ def run_eval(
         kvpress_presses: comma-separated subset of kvpress's presses (streaming_llm, snapkv, tova, knorm,
             expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff,
             lagkv, adakv, kvzip); default every one the installed kvpress provides. Prefill tasks only.
-        dtype: base model dtype (float32, bfloat16, float16).
+        dtype: base model dtype (float32, bfloat16, float16). In half precision the reference and the rows
+            run different kernels (one forward vs batches or chunks) and round differently: ratio 0.0 shows that floor.
         backend: compaction kernel backend (auto, torch, triton).
         batch: continuations of equal cache length run together, at most this many per forward
             (memory: batch × continuation_length × vocabulary float32 logits).
