@@ -60,8 +60,14 @@ class Scorer:
     @torch.no_grad()
     def token_scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Per-token logits (batch, kv_heads, tokens) of arriving tokens' attention inputs (batch, tokens, hidden)."""
-        self.estimator.to(hidden.device)
+        self._follow(hidden.device)
         return self.estimator.token_scores(hidden[None], layers=layer_index(layer, hidden.device))[0]
+
+    def _follow(self, device: torch.device) -> None:
+        """Move the estimator to ``device`` if it is elsewhere (``Module.to`` walks every parameter: at every layer
+        of every compression that walk cost as much as a scoring operator)."""
+        if next(self.estimator.parameters()).device != device:
+            self.estimator.to(device)
 
     def prefill_inputs(self, model: PreTrainedModel, layer: int, hidden_states: torch.Tensor) -> dict:
         """What this scorer reads besides K/V, from a prefill's attention inputs (batch, tokens, hidden_size)
@@ -104,7 +110,7 @@ class Scorer:
         if self.scores_on_arrival and token_scores is None:
             raise CurKVError(f"a {self.family} scorer needs each token's stored score (from its hidden state) for "
                              f"layer {layer}; none was recorded")
-        self.estimator.to(keys.device)
+        self._follow(keys.device)
         module = attention_module(model, layer)
         gram = rotation = None
         if "query_features" in self.estimator.needs:  # looked up here, outside what compiled() compiles
