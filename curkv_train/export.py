@@ -117,8 +117,11 @@ def checkpoint_metrics(checkpoint: dict) -> dict:
 
 
 def logged_metrics(folder: Path, up_to_step: int | None = None) -> dict:
-    """Last value and step of every scalar in the run's TensorBoard event files ({} without any), among those
-    logged at or before ``up_to_step`` (a checkpoint's step: a run goes on past the checkpoint exported)."""
+    """Last value and step of every scalar in the run's TensorBoard event files ({} without any), among those of
+    the first ``up_to_step`` steps (a checkpoint's global_step: a run goes on past the checkpoint exported).
+
+    Lightning logs the k-th optimizer step's metrics, and a validation run after it, at TensorBoard step k − 1,
+    so those are the events before step ``up_to_step``."""
     if not any(folder.glob("events.out.tfevents.*")):
         return {}
     try:
@@ -130,7 +133,7 @@ def logged_metrics(folder: Path, up_to_step: int | None = None) -> dict:
     events.Reload()
     last = {}
     for tag in events.Tags().get("scalars", []):
-        logged = [event for event in events.Scalars(tag) if up_to_step is None or event.step <= up_to_step]
+        logged = [event for event in events.Scalars(tag) if up_to_step is None or event.step < up_to_step]
         if logged:
             last[tag] = {"step": logged[-1].step, "value": logged[-1].value}
     return last

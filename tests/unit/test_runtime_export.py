@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,14 +239,37 @@ def test_a_last_stage_inheriting_a_range_records_its_middle(tmp_path):
 
 
 def test_logged_metrics_stop_at_the_checkpoints_step(tmp_path):
-    """An earlier checkpoint of a run that went on records the metrics of its own step, not the run's last."""
-    from torch.utils.tensorboard import SummaryWriter
+    """An earlier checkpoint of a run that went on records the metrics of its own steps, not later ones.
+
+    Lightning logs the k-th step's metrics, and a validation run after it, at TensorBoard step k - 1, so a
+    checkpoint at global_step k holds those logged before step k."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
 
     from curkv_train.export import logged_metrics
 
-    with SummaryWriter(str(tmp_path)) as writer:
-        for step in range(1, 6):
-            writer.add_scalar("train/loss", 10.0 * step, step)
-        writer.add_scalar("val/kl_hard", 0.5, 4)
-    assert logged_metrics(tmp_path, up_to_step=3) == {"train/loss": {"step": 3, "value": 30.0}}
-    assert logged_metrics(tmp_path)["train/loss"] == {"step": 5, "value": 50.0}
+    class Counting(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, index):
+            self.log("train/nth_step", float(self.global_step + 1))
+            return self.weight.square().sum()
+
+        def validation_step(self, batch, index):
+            self.log("val/after_steps", float(self.global_step))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = DataLoader(TensorDataset(torch.zeros(8, 1)), batch_size=1)
+    trainer = L.Trainer(max_steps=5, default_root_dir=tmp_path, log_every_n_steps=1, val_check_interval=2,
+                        limit_val_batches=1, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, accelerator="cpu")
+    trainer.fit(Counting(), loader, loader)
+    folder = Path(trainer.logger.log_dir)
+    at_two = logged_metrics(folder, up_to_step=2)
+    assert at_two["train/nth_step"]["value"] == 2.0 and at_two["val/after_steps"]["value"] == 2.0
+    assert logged_metrics(folder, up_to_step=3)["train/nth_step"]["value"] == 3.0
+    assert logged_metrics(folder)["train/nth_step"]["value"] == 5.0
