@@ -14,14 +14,26 @@ class LastStepCheckpoint(ModelCheckpoint):
 
     Lightning saves every ``every_n_train_steps`` steps only; a run whose ``max_steps`` is not
     a multiple of it would end with ``last.ckpt`` (and the top-k file) at an earlier step.
-    At the end of fit this saves what a periodic save would save at the last step, unless
-    that step is saved already. A run stopped by an exception (e.g. a non-finite loss)
+    The step reaching ``max_steps`` is saved as a periodic one; a fit ending otherwise (``max_epochs``,
+    ``max_time``) is saved at its end, unless that step is saved already. A run stopped by an exception (e.g. a non-finite loss)
     keeps its last good checkpoint: ``on_train_end`` does not run then.
 
     Takes ModelCheckpoint's arguments; ``curkv-train fit`` sets ``save_last=True``,
     ``every_n_train_steps=50`` and ``filename="{step}"`` by default (``--checkpoint.*`` flags,
     ``checkpoint:`` in a recipe).
     """
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args, **kwargs) -> None:
+        """Lightning's periodic save, with the step that reaches ``max_steps`` counted as a periodic one: saved
+        there, its loops state is the one a resumed run continues exactly (after fit ends Lightning has closed the
+        epoch, and a run resumed from a save in ``on_train_end`` would start the next one)."""
+        every = self._every_n_train_steps
+        if self.save_last and every >= 1 and 0 < trainer.max_steps <= trainer.global_step:
+            self._every_n_train_steps = trainer.global_step  # Lightning's own logic then saves (or defers) it
+        try:
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        finally:
+            self._every_n_train_steps = every
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):

@@ -49,8 +49,8 @@ class ResumableLoader(DataLoader):
 
     ``state_dict()["batches_done"]`` counts the batches handed out in the current
     epoch (Lightning does not fetch ahead of a loader with a length, so handed out
-    means trained on). After ``load_state_dict``, the next epoch iteration starts
-    after those batches and ``len()`` reports the batches left.
+    means trained on). After ``load_state_dict``, the next iteration of that epoch starts
+    after those batches; ``len()`` is always a whole epoch's (Lightning counts the restored batches itself).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -59,9 +59,13 @@ class ResumableLoader(DataLoader):
             raise TypeError(f"ResumableLoader needs a BlockSampler, got {type(self.sampler).__name__}")
         self.batches_done = 0
         self._resume_at = 0
+        self._resume_epoch: int | None = None
 
     def __iter__(self) -> Iterator:
         start, self._resume_at = self._resume_at, 0
+        if self._resume_epoch is not None and self._resume_epoch != self.sampler.epoch:
+            start = 0  # Lightning went on to the next epoch (a checkpoint saved as fit ended part-way through one)
+        self._resume_epoch = None
         self.sampler.start = start * self.batch_size
         self.batches_done = start
         return self._counted(super().__iter__())
@@ -73,17 +77,21 @@ class ResumableLoader(DataLoader):
         self.sampler.start = 0  # the next epoch is whole
 
     def __len__(self) -> int:
-        return super().__len__() - self._resume_at
+        # the whole epoch, also when resumed: Lightning restores its own count of the batches done and ends the
+        # epoch when that count reaches this length
+        return self.batches_per_epoch()
 
     def state_dict(self) -> dict:
-        """Position in the epoch: {"batches_done": int}."""
-        return {"batches_done": self.batches_done}
+        """Position in the epoch: {"batches_done": int, "epoch": int}."""
+        return {"batches_done": self.batches_done, "epoch": self.sampler.epoch}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume after ``state["batches_done"]`` batches at the next iteration; a whole epoch done (a checkpoint
-        at an epoch's last batch) resumes at the start of the next one."""
+        """Resume after ``state["batches_done"]`` batches of ``state["epoch"]`` at the next iteration if it iterates
+        that epoch, else from the start of the epoch it iterates; a whole epoch done (a checkpoint at an epoch's
+        last batch) resumes at the start of the next one."""
         done = int(state.get("batches_done", 0))
         self._resume_at = 0 if done >= self.batches_per_epoch() else done
+        self._resume_epoch = state.get("epoch")
 
     def batches_per_epoch(self) -> int:
         """Batches of a whole epoch of this rank."""

@@ -51,7 +51,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     curriculum = [state for key, state in final["callbacks"].items() if key.startswith("Curriculum")]
     assert curriculum and curriculum[0]["stage_index"] == len(STAGES) - 1
     loader_state = final["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-    assert loader_state == [{"batches_done": MAX_STEPS}]
+    assert loader_state == [{"batches_done": MAX_STEPS, "epoch": 0}]
 
 
 def test_ckpt_path_last_resumes_the_newest_version_folder_of_the_default_logger(tmp_path):

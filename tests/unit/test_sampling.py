@@ -5,7 +5,6 @@ import pytest
 from curkv_train.data.sampling import BlockSampler, ResumableLoader
 
 
-
 class Blocks:
     """12 blocks; like MixedBlocks, any index gives a block (here: the index itself)."""
 
@@ -45,14 +44,22 @@ def test_resumed_loader_skips_the_batches_already_trained_on():
     iterator = iter(loader)
     seen = [next(iterator).tolist() for _ in range(2)]
     state = loader.state_dict()
-    assert state == {"batches_done": 2} and seen == [[0, 1], [2, 3]]
+    assert state == {"batches_done": 2, "epoch": 0} and seen == [[0, 1], [2, 3]]
 
     resumed = ResumableLoader(BLOCKS, batch_size=2, sampler=BlockSampler(BLOCKS))
     resumed.load_state_dict(state)
-    assert len(resumed) == 4  # what is left of the epoch, as Lightning's fetcher reads it
+    assert len(resumed) == 6  # a whole epoch: Lightning counts the 2 restored batches itself
     assert [batch.tolist() for batch in resumed] == [[4, 5], [6, 7], [8, 9], [10, 11]]
-    assert resumed.state_dict() == {"batches_done": 6}
+    assert resumed.state_dict() == {"batches_done": 6, "epoch": 0}
     assert len(resumed) == 6 and len([batch for batch in resumed]) == 6  # the next epoch is whole again
+
+
+def test_a_loader_resumed_into_another_epoch_starts_it_whole():
+    """A checkpoint saved as fit ended part-way through epoch 0, resumed where Lightning starts epoch 1."""
+    resumed = ResumableLoader(BLOCKS, batch_size=2, sampler=BlockSampler(BLOCKS))
+    resumed.load_state_dict({"batches_done": 2, "epoch": 0})
+    resumed.sampler.set_epoch(1)
+    assert [batch.tolist() for batch in resumed][0] == [12, 13]
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

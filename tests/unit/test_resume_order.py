@@ -1,0 +1,60 @@
+"""Resumed runs train on exactly the blocks an uninterrupted run trains on: Lightning with the project's loader
+and checkpoint callback (a dummy module records which block each step saw)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from curkv_train.callbacks.checkpoint import LastStepCheckpoint
+from curkv_train.data.sampling import BlockSampler, ResumableLoader
+
+
+class Blocks:
+    """8 blocks; any index is a block (the index itself, like MixedBlocks' fresh block per index)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class Recording(L.LightningModule):
+    """Records (epoch, block) of every training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[tuple[int, int]] = []
+
+    def training_step(self, batch, index):
+        self.seen.append((self.current_epoch, int(batch[0])))
+        return self.weight.square().sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(folder, max_steps: int, every: int, resume: bool = False) -> list[tuple[int, int]]:
+    checkpoint = LastStepCheckpoint(dirpath=folder, every_n_train_steps=every, save_last=True, save_top_k=-1,
+                                    filename="{step}")
+    trainer = L.Trainer(max_steps=max_steps, logger=False, callbacks=[checkpoint], accelerator="cpu",
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    module = Recording()
+    loader = ResumableLoader(Blocks(), batch_size=1, sampler=BlockSampler(Blocks()))
+    trainer.fit(module, loader, ckpt_path=str(folder / "last.ckpt") if resume else None)
+    return module.seen
+
+
+@pytest.mark.parametrize(("stop", "every", "total"), [
+    (3, 3, 14),  # a periodic checkpoint mid-epoch, resumed across two epoch ends
+    (3, 2, 7),  # the checkpoint of the last step, which is not a periodic one
+    (8, 8, 11),  # a checkpoint at the epoch's end
+])
+def test_a_resumed_run_sees_the_blocks_of_an_uninterrupted_one(tmp_path, stop, every, total):
+    whole = fit(tmp_path / "whole", total, every)
+    assert fit(tmp_path / "split", stop, every) == whole[:stop]
+    assert torch.load(tmp_path / "split" / "last.ckpt", weights_only=False)["global_step"] == stop
+    assert fit(tmp_path / "split", total, every, resume=True) == whole[stop:]
