@@ -49,11 +49,14 @@ def last_checkpoint_of_earlier_runs(trainer: L.Trainer) -> Path | None:
     Lightning looks ``--ckpt_path last`` up in the checkpoint folder of the run it starts; without a
     ``checkpoint.dirpath`` that folder is the new run's own (TensorBoard's next ``version_N``), empty,
     so a resumed run would train from step 0. This finds ``root_dir/version_N/checkpoints/last.ckpt``
-    with the largest N instead. None where Lightning finds it itself (a ``dirpath`` is set, or no
-    versioned logger) or where no earlier run left one.
+    with the largest N instead. None where Lightning finds it itself (a ``dirpath`` is set, no
+    versioned logger, or a logger given its version: that run's own folder is the one to resume) or where no
+    earlier run left one.
     """
     callback, root = trainer.checkpoint_callback, getattr(trainer.logger, "root_dir", None)
     if callback is None or callback.dirpath is not None or root is None:
+        return None
+    if getattr(trainer.logger, "_version", None) is not None:  # given (or already drawn): not the next version_N
         return None
     found = []
     for path in Path(root).glob("version_*/checkpoints/last.ckpt"):

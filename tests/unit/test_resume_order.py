@@ -58,3 +58,25 @@ def test_a_resumed_run_sees_the_blocks_of_an_uninterrupted_one(tmp_path, stop, e
     assert fit(tmp_path / "split", stop, every) == whole[:stop]
     assert torch.load(tmp_path / "split" / "last.ckpt", weights_only=False)["global_step"] == stop
     assert fit(tmp_path / "split", total, every, resume=True) == whole[stop:]
+
+
+def test_ckpt_path_last_of_a_logger_given_its_version_is_left_to_lightning(tmp_path):
+    """Only an auto-numbered logger's new run looks in the newest earlier version_N; a logger given a version
+    resumes its own folder (which Lightning finds), not another run's."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from curkv_train.callbacks.checkpoint import last_checkpoint_of_earlier_runs
+
+    for version in ("version_0", "version_3", "exp1"):
+        (tmp_path / "lightning_logs" / version / "checkpoints").mkdir(parents=True)
+        (tmp_path / "lightning_logs" / version / "checkpoints" / "last.ckpt").write_bytes(b"")
+
+    def found(logger) -> object:
+        return last_checkpoint_of_earlier_runs(SimpleNamespace(checkpoint_callback=LastStepCheckpoint(),
+                                                               logger=logger))
+
+    assert found(TensorBoardLogger(tmp_path)) == tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt"
+    assert found(TensorBoardLogger(tmp_path, version="exp1")) is None
+    assert found(TensorBoardLogger(tmp_path, version=0)) is None
