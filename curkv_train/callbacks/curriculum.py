@@ -172,11 +172,13 @@ class Curriculum(Callback):
             settings = self.settings_at(start)
             context = settings.get("context_length") or getattr(data, "context_length", None)
             shapes.add((context, settings.get("continuation_length") or getattr(data, "continuation_length", None)))
-            if context is not None:
-                try:
+            try:
+                if hasattr(data, "check_shape"):
+                    data.check_shape(settings.get("context_length"), settings.get("continuation_length"))
+                if context is not None:
                     module.check_stage(self.training_settings(settings, module.settings), context)
-                except CurKVError as error:
-                    raise CurKVError(f"curriculum stage {index}: {error}") from None
+            except CurKVError as error:
+                raise CurKVError(f"curriculum stage {index}: {error}") from None
             start += stage.steps
         if len(shapes) > 1 and getattr(data, "num_workers", 0):
             raise CurKVError(f"the curriculum changes the block shape but data.num_workers is "

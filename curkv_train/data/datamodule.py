@@ -162,13 +162,25 @@ class CurKVDataModule(L.LightningDataModule):
         is a CurKVError (the same checks as the recipe's own shape).
         """
         train = self.datasets.get("train")
+        context_length, continuation_length = self.check_shape(context_length, continuation_length)
+        if train is not None:
+            train.context_length, train.continuation_length = context_length, continuation_length
+
+    def check_shape(self, context_length: int | None = None, continuation_length: int | None = None) -> tuple[int, int]:
+        """The training block shape (None keeps a length), after the checks :meth:`set_block_shape` makes: a
+        CurKVError for a shape the model or the compression cannot take, a training stream too short for it, or
+        a synthetic task without room in it (one block of each drawn). Changes nothing; the curriculum checks
+        every stage's shape with it when training starts."""
+        train = self.datasets.get("train")
         context_length = context_length or (train.context_length if train else self.context_length)
         continuation_length = continuation_length or (train.continuation_length if train else self.continuation_length)
         check_block_shape(context_length, continuation_length, self.n_sink, self.window, self.max_positions)
-        if train is not None:
-            for source, stream in zip(train.sources, train.streams):
-                check_stream_length(source, stream, "train", context_length + continuation_length)
-            train.context_length, train.continuation_length = context_length, continuation_length
+        for source, stream in zip(train.sources, train.streams) if train is not None else ():
+            check_stream_length(source, stream, "train", context_length + continuation_length)
+            if source.kind in SYNTHETIC_TASKS:
+                BUILDERS[source.kind](self.tokenizer, stream, context_length, continuation_length, random.Random(0),
+                                      protected=train.protected)
+        return context_length, continuation_length
 
     def train_dataloader(self) -> DataLoader:
         """Blocks in a fixed, rank-split order that resumes mid-epoch (see :mod:`curkv_train.data.sampling`)."""

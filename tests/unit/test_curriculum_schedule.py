@@ -30,7 +30,7 @@ class FakeModule:
 
 
 class FakeData:
-    """What the curriculum needs of the data module: set_block_shape."""
+    """What the curriculum needs of the data module: set_block_shape and check_shape."""
 
     def __init__(self, num_workers: int = 0) -> None:
         self.context_length, self.continuation_length, self.num_workers = 64, 16, num_workers
@@ -38,6 +38,11 @@ class FakeData:
     def set_block_shape(self, context_length=None, continuation_length=None) -> None:
         self.context_length = context_length or self.context_length
         self.continuation_length = continuation_length or self.continuation_length
+
+    def check_shape(self, context_length=None, continuation_length=None) -> tuple[int, int]:
+        if (context_length or self.context_length) > 1000:
+            raise CurKVError("longer than the model's positions")
+        return context_length or self.context_length, continuation_length or self.continuation_length
 
 
 class FakeTrainer:
@@ -181,6 +186,9 @@ def test_every_stage_is_checked_against_the_module_when_training_starts():
     assert module.checked == [(0.5, 96), (0.4, 128), (0.3, 128)]  # each stage at its first step
     with pytest.raises(CurKVError, match="curriculum stage 1: too many rounds"):
         Curriculum([Stage(steps=1), Stage(steps=1, streaming_rounds=4)]).on_train_start(trainer, module)
+    with pytest.raises(CurKVError, match="curriculum stage 2: longer than"):  # the data's checks too, up front
+        Curriculum([Stage(steps=1), Stage(steps=1), Stage(steps=1, context_length=4096)]).on_train_start(trainer,
+                                                                                                          module)
 
 
 def test_a_changing_block_shape_is_refused_with_loader_workers():

@@ -142,3 +142,16 @@ def test_a_curriculum_shape_longer_than_a_stream_is_one_error(tmp_path, kind):
     with pytest.raises(CurKVError, match="fewer than one block of 1040"):
         data.set_block_shape(1000, 40)
     assert data.datasets["train"].context_length == 100  # unchanged
+
+
+def test_check_shape_finds_a_synthetic_task_without_room_and_changes_nothing(tmp_path):
+    """A later curriculum stage's continuation too short for the passkey's question is found when training starts
+    (the curriculum calls check_shape for every stage), not when the stage draws its first block."""
+    (tmp_path / "a.txt").write_text("hello world, " * 200)
+    source = DataSource(kind="passkey", path=str(tmp_path), val_fraction=0.0, filler="files")
+    data = CurKVDataModule(sources=[source], context_length=300, continuation_length=64, window=16, train_size=2)
+    data.setup("fit")
+    assert data.check_shape(400) == (400, 64)
+    with pytest.raises(CurKVError, match="passkey needs"):
+        data.check_shape(None, 2)
+    assert (data.datasets["train"].context_length, data.datasets["train"].continuation_length) == (300, 64)
