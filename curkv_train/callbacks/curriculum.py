@@ -89,6 +89,8 @@ class Curriculum(Callback):
         for index, stage in enumerate(stages):
             if stage.steps < 1:
                 raise CurKVError(f"curriculum stage {index} has {stage.steps} steps; each stage needs >= 1")
+            if isinstance(stage.keep_ratio, (list, tuple)) and not stage.keep_ratio:
+                raise CurKVError(f"curriculum stage {index} has an empty keep_ratio list; give one ratio or more")
             for ratio in _as_list(stage.keep_ratio):
                 check_keep_ratio(ratio)
             if stage.compression_range is not None:

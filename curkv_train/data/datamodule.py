@@ -126,6 +126,10 @@ class CurKVDataModule(L.LightningDataModule):
     def check_lengths(self) -> None:
         """Reject block shapes the model or the compression cannot handle, and unknown source kinds."""
         check_block_shape(self.context_length, self.continuation_length, self.n_sink, self.window, self.max_positions)
+        if not self.sources or any(source.weight < 0 for source in self.sources) or not sum(
+                source.weight for source in self.sources) > 0:
+            raise CurKVError(f"the data mix needs sources with weights >= 0 summing to more than 0, got "
+                             f"{[source.weight for source in self.sources]}")
         for source in self.sources:
             if source.kind not in DOCUMENT_KINDS + SYNTHETIC_TASKS:
                 raise CurKVError(f"unknown data source kind {source.kind!r}; expected one of "

@@ -204,3 +204,8 @@ def test_a_changing_block_shape_is_refused_with_loader_workers():
 def test_negative_streaming_settings_are_rejected(field, value):
     with pytest.raises(CurKVError, match=f"{field} must be >= 0"):
         Curriculum([Stage(steps=1, **{field: value})])
+
+
+def test_an_empty_keep_ratio_list_is_rejected():
+    with pytest.raises(CurKVError, match="stage 1 has an empty keep_ratio list"):
+        Curriculum([Stage(steps=1), Stage(steps=1, keep_ratio=[])])

@@ -155,3 +155,9 @@ def test_check_shape_finds_a_synthetic_task_without_room_and_changes_nothing(tmp
     with pytest.raises(CurKVError, match="passkey needs"):
         data.check_shape(None, 2)
     assert (data.datasets["train"].context_length, data.datasets["train"].continuation_length) == (300, 64)
+
+
+@pytest.mark.parametrize("weights", [[0.0], [1.0, -1.0], []])
+def test_a_mix_without_positive_weight_is_one_error(weights):
+    with pytest.raises(CurKVError, match="weights >= 0 summing to more than 0"):
+        CurKVDataModule(sources=[DataSource(kind="stdlib", weight=weight) for weight in weights])
