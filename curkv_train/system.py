@@ -7,6 +7,7 @@ import dataclasses
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from curkv_train.attention import CompressionState, patch_model
@@ -346,6 +347,21 @@ class CurKVModule(L.LightningModule):
                                     if not key.startswith("base.")}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Resume with the settings of the checkpoint's last step (the curriculum re-applies its own)."""
+        """Resume with the settings of the checkpoint's last step (the curriculum re-applies its own); a warning
+        names the ones the command line or recipe set otherwise, which the resumed run does not take."""
         if SETTINGS_KEY in checkpoint:
-            self.settings = TrainingSettings(**checkpoint[SETTINGS_KEY])
+            restored = TrainingSettings(**checkpoint[SETTINGS_KEY])
+            given = dataclasses.asdict(self.settings)
+            differing = {name: (value, given[name]) for name, value in dataclasses.asdict(restored).items()
+                         if given[name] != value}
+            if differing and not self._has_curriculum():
+                rank_zero_warn("resuming with the checkpoint's training settings "
+                               + ", ".join(f"{name} {old} (given: {new})" for name, (old, new) in differing.items())
+                               + "; a curriculum stage can change them for a resumed run")
+            self.settings = restored
+
+    def _has_curriculum(self) -> bool:
+        """Whether the trainer runs a curriculum (which sets the settings of every step itself)."""
+        from curkv_train.callbacks.curriculum import Curriculum
+
+        return self._trainer is not None and any(isinstance(callback, Curriculum) for callback in self.trainer.callbacks)

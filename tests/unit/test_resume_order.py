@@ -1,5 +1,5 @@
-"""Resumed runs train on exactly the blocks an uninterrupted run trains on: Lightning with the project's loader
-and checkpoint callback (a dummy module records which block each step saw)."""
+"""Resuming: the blocks a resumed run trains on (Lightning with the project's loader and checkpoint callback, a
+dummy module recording which block each step saw), which checkpoint ``--ckpt_path last`` takes, which settings."""
 
 from __future__ import annotations
 
@@ -80,3 +80,19 @@ def test_ckpt_path_last_of_a_logger_given_its_version_is_left_to_lightning(tmp_p
     assert found(TensorBoardLogger(tmp_path)) == tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt"
     assert found(TensorBoardLogger(tmp_path, version="exp1")) is None
     assert found(TensorBoardLogger(tmp_path, version=0)) is None
+
+
+def test_resuming_warns_of_settings_given_otherwise_than_the_checkpoints(recwarn):
+    """Without a curriculum a resumed run keeps the checkpoint's settings; a changed --model.keep_ratio is named."""
+    from dataclasses import asdict
+
+    from curkv_train.models.base import TINY_RANDOM
+    from curkv_train.objective import TrainingSettings
+    from curkv_train.system import SETTINGS_KEY, CurKVModule
+
+    module = CurKVModule(base_model=TINY_RANDOM, window=16, keep_ratio=0.3)
+    with pytest.warns(UserWarning, match=r"checkpoint's training settings keep_ratio 0.5 \(given: 0.3\)"):
+        module.on_load_checkpoint({SETTINGS_KEY: asdict(TrainingSettings(keep_ratio=0.5))})
+    assert module.settings.keep_ratio == 0.5
+    module.on_load_checkpoint({SETTINGS_KEY: asdict(TrainingSettings(keep_ratio=0.5))})  # the same: no warning
+    assert not [warning for warning in recwarn if "training settings" in str(warning.message)]
