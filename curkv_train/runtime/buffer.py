@@ -41,11 +41,13 @@ class AppendBuffer:
         """The content (a view of the first ``length`` tokens)."""
         return self.data.narrow(self.dim, 0, self.length)
 
-    def append(self, new: torch.Tensor) -> None:
-        """Add ``new`` (same shape but along ``dim``) after the content; copies it all only when full."""
+    def append(self, new: torch.Tensor, headroom: int | None = None) -> None:
+        """Add ``new`` (same shape but along ``dim``) after the content; copies it all only when full, then with
+        room for ``headroom`` tokens (default: the buffer's) counted from this append."""
         count = new.shape[self.dim]
         if self.length + count > self.data.shape[self.dim]:
-            self.data = self._allocate(self.view, self.length + max(count, self.headroom))
+            room = self.headroom if headroom is None else headroom
+            self.data = self._allocate(self.view, self.length + max(count, room))
         self.data.narrow(self.dim, self.length, count).copy_(new)
         self.length += count
 

@@ -224,8 +224,10 @@ class CurKVCache(Cache):
         return shape.num_layers * (ring + QueryStatistics.nbytes_for(shape.num_attention_heads, shape.head_dim))
 
     def tokens_within(self, max_bytes: int) -> int:
-        """Tokens per (layer, KV head) a budget of ``max_bytes`` for one sequence's cache pays for."""
-        budget = (max_bytes - self.observation_bytes()) // self.bytes_per_token()
+        """Tokens per (layer, KV head) a budget of ``max_bytes`` for one sequence's cache pays for: all but one of
+        the slots it pays for, the one the token that triggers a compression is written into before the
+        compression replaces the tensors."""
+        budget = (max_bytes - self.observation_bytes()) // self.bytes_per_token() - 1
         if budget < self.settings.fixed_tokens:
             raise CurKVError(f"max_bytes {max_bytes} pays for {max(budget, 0)} tokens per (layer, KV head), fewer than "
                              f"the {self.settings.fixed_tokens} every layer always holds (n_sink + hot tier + interval - 1)"

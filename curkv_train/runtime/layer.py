@@ -124,16 +124,23 @@ class CurKVLayer(CacheLayerMixin):
         if self.positions.dtype != dtype:
             self.positions = self.positions.to(dtype)
         positions = torch.arange(self.seen, self.seen + new, device=self.device, dtype=dtype)
-        buffer_of(self, "keys").append(key_states)
-        buffer_of(self, "values").append(value_states)
-        buffer_of(self, "positions").append(positions.expand(*key_states.shape[:2], new))
+        room = self._room()
+        buffer_of(self, "keys").append(key_states, room)
+        buffer_of(self, "values").append(value_states, room)
+        buffer_of(self, "positions").append(positions.expand(*key_states.shape[:2], new), room)
         if self.token_scores is not None:
             arrived = self.observer.take_arrival_scores(new, self.layer_idx)
-            buffer_of(self, "token_scores").append(arrived.to(self.token_scores.dtype))
+            buffer_of(self, "token_scores").append(arrived.to(self.token_scores.dtype), room)
         self.seen += new
         sinks = min(self.settings.n_sink, self.seen)
         self.n_hot += new - (sinks - self.n_sink_held)
         self.n_sink_held = sinks
+
+    def _room(self) -> int:
+        """Tokens of room an append that reallocates makes: a window, but no more than arrive up to the next
+        compression (which replaces the tensors), so no room outlasts it and a byte budget holds."""
+        settings = self.settings
+        return max(1, min(settings.window, settings.hot_tokens + settings.interval - self.n_hot))
 
     def _compression_due(self) -> bool:
         """Once a compression interval of tokens has piled up past the hot tier, however they arrived

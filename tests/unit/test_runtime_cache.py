@@ -336,3 +336,20 @@ def test_a_query_aware_cache_crops_within_its_observation_window_only(model):
 def test_cold_sizes_below_one_are_refused_not_replaced_by_defaults(model, scorer, option, value):
     with pytest.raises(CurKVError, match="cold_block, cold_rows and cold_channels must be >= 1"):
         CurKVCache(scorer, model=model, cold=True, **{option: value})
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_a_tight_byte_budget_holds_at_every_step(model, scorer, chunk):
+    """Tokens fed one at a time or in chunks that do not divide the window: the room an append makes stops at
+    the next compression, and the slot of the token that triggers it is paid for (both went over before)."""
+    held = []
+    for budget in range(19200, 27000, 1200):
+        cache = CurKVCache(scorer, model=model, keep_ratio=1.0, window=8, max_bytes=budget, backend="torch")
+        with torch.no_grad():
+            model(prompt(200), past_key_values=cache)
+            for step in range(12):
+                model(prompt(chunk, seed=step), past_key_values=cache)
+                held.append((cache.nbytes(), budget))
+                assert cache.nbytes() == held_tensor_bytes(cache)
+    assert all(nbytes <= budget for nbytes, budget in held)
+    assert any(nbytes > budget - 600 for nbytes, budget in held)  # within about a token of each budget
