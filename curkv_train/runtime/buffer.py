@@ -48,12 +48,19 @@ class AppendBuffer:
         if self.length + count > self.data.shape[self.dim]:
             room = self.headroom if headroom is None else headroom
             self.data = self._allocate(self.view, self.length + max(count, room))
+        self.data = writable(self.data)
         self.data.narrow(self.dim, self.length, count).copy_(new)
         self.length += count
 
     def nbytes(self) -> int:
         """Bytes allocated, headroom included."""
         return self.data.numel() * self.data.element_size()
+
+
+def writable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy where it cannot be written in place here: made under ``torch.inference_mode`` (a
+    prefill run there) and written outside it (decoding under ``no_grad``, as ``generate`` does)."""
+    return tensor.clone() if tensor.is_inference() and not torch.is_inference_mode_enabled() else tensor
 
 
 def _slot(name: str) -> str:

@@ -22,6 +22,7 @@ import torch
 
 from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.errors import CurKVError
+from curkv_train.runtime.buffer import writable
 
 
 class ObservationBuffer:
@@ -62,6 +63,7 @@ class ObservationBuffer:
         queries, new = queries.detach(), queries.shape[2]
         if self.ring is None:
             self.ring = queries.new_zeros(*queries.shape[:2], self.window, queries.shape[3])
+        self.ring = writable(self.ring)
         if self.unfolded + new > self.window:  # more than the ring can hold unfolded: count them now
             self._fold()
             self._add_to_statistics(queries, start)

@@ -353,3 +353,18 @@ def test_a_tight_byte_budget_holds_at_every_step(model, scorer, chunk):
                 assert cache.nbytes() == held_tensor_bytes(cache)
     assert all(nbytes <= budget for nbytes, budget in held)
     assert any(nbytes > budget - 600 for nbytes, budget in held)  # within about a token of each budget
+
+
+@pytest.mark.parametrize("family", ["seed", "query_aware", "hidden"])
+def test_a_prefill_under_inference_mode_then_decoding_under_no_grad(model, family):
+    """Buffers made under torch.inference_mode are written in place by the later no_grad steps (DynamicCache
+    concatenates and never hits this)."""
+    scorer = family_scorer(family)
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    with torch.inference_mode():  # the second part leaves room in the buffers, made here
+        model(prompt(120), past_key_values=cache)
+        logits = model(prompt(3, seed=1), past_key_values=cache).logits
+    with torch.no_grad():
+        for _ in range(2 * WINDOW + 1):
+            logits = model(logits[:, -1:].argmax(dim=-1), past_key_values=cache).logits
+    assert cache.get_seq_length() == 123 + 2 * WINDOW + 1
