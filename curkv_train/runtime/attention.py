@@ -81,7 +81,10 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
         return
     layer = cache.layers[module.layer_idx]
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    check_within_window(cache.sliding_window, layer.held_tokens, hidden_states.shape[1])
+    if cache.sliding_window:  # the first layer checks every layer's count: a refused step is refused before any
+        # layer appended (under a layer budget layer 0 may hold fewer than the one that refuses)
+        counts = [each.held_tokens for each in cache.layers] if module.layer_idx == 0 else [layer.held_tokens]
+        check_within_window(cache.sliding_window, max(counts), hidden_states.shape[1])
     check_unpadded(kwargs.get("attention_mask"))
     layer.observe_hidden(hidden_states)
     implementation = getattr(module.config, "_attn_implementation", None)

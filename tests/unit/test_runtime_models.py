@@ -85,3 +85,21 @@ def test_a_sliding_window_model_is_served_within_the_window_and_refused_past_it(
         model(torch.randint(3, 512, (1, 10)), past_key_values=cache)
         with pytest.raises(CurKVError, match=r"sliding window \(64 tokens\) is exceeded: 60 held \+ 10 new"):
             model(torch.randint(3, 512, (1, 10)), past_key_values=cache)
+
+
+def test_a_step_past_the_sliding_window_is_refused_before_any_layer_appends(scorer):
+    """Under a layer budget layer 0 holds fewer tokens than layer 1: its check alone let it append, and the
+    layers fell out of step when layer 1 refused."""
+    from curkv_train.runtime.allocation import LayerBudget
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MistralConfig(**SHAPES, sliding_window=130)).eval()
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget=LayerBudget((1.0, 5.0)), backend="torch")
+    with torch.no_grad():
+        model(torch.randint(3, 512, (1, 120)), past_key_values=cache)
+        held = [cache.held_tokens(layer) for layer in range(2)]
+        assert held[0] < held[1]
+        with pytest.raises(CurKVError, match="sliding window"):
+            model(torch.randint(3, 512, (1, 60)), past_key_values=cache)
+    assert [cache.layers[layer].seen for layer in range(2)] == [120, 120]
+    assert [cache.held_tokens(layer) for layer in range(2)] == held
