@@ -40,6 +40,7 @@ re-indexed and is not supported.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -175,6 +176,15 @@ class CurKVCache(Cache):
                 layer.settings = self.settings
         self.factored_attention = install_runtime_attention(
             model, factored=cold and factored_attention, per_layer=self.settings.layer_budget is not None)
+
+    def __deepcopy__(self, memo: dict) -> "CurKVCache":
+        """A copy holding its own tokens, sharing the base model and the scorer (``copy.deepcopy(prompt_cache)``
+        is how transformers reuses a prompt's cache; copying them would duplicate every weight)."""
+        memo[id(self.model)], memo[id(self.scorer)] = self.model, self.scorer
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied  # the layers' score functions are bound to this cache: rebound to the copy
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def _observer(self, layer: int) -> ObservationBuffer:
         """An empty observation buffer sized for the scorer's needs at ``layer``."""

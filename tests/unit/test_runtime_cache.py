@@ -368,3 +368,18 @@ def test_a_prefill_under_inference_mode_then_decoding_under_no_grad(model, famil
         for _ in range(2 * WINDOW + 1):
             logits = model(logits[:, -1:].argmax(dim=-1), past_key_values=cache).logits
     assert cache.get_seq_length() == 123 + 2 * WINDOW + 1
+
+
+def test_a_deep_copy_shares_the_model_and_scorer_and_decodes_apart(model, scorer):
+    """transformers reuses a prompt's cache through copy.deepcopy: the copy holds its own tokens only."""
+    import copy
+
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    with torch.no_grad():
+        model(prompt(150), past_key_values=cache)
+    twin = copy.deepcopy(cache)
+    assert twin.model is model and twin.scorer is cache.scorer
+    assert twin.layers[0].keys.data_ptr() != cache.layers[0].keys.data_ptr()
+    assert twin.layers[0].score_fn.__self__ is twin
+    longer = torch.cat([prompt(150), prompt(5, seed=1)], dim=-1)  # the prompt and what follows it
+    assert torch.equal(greedy(model, longer, twin, new=3 * WINDOW), greedy(model, longer, cache, new=3 * WINDOW))
