@@ -6,6 +6,9 @@ the key as projected, or into the key a query at another position would see, exa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
 import torch
 from transformers import PreTrainedModel
 
@@ -45,9 +48,31 @@ def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.T
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     if rotary is None:
         return None
-    cos, sin = rotary(like, positions.reshape(1, -1).to(like.device))
+    with state_kept(rotary) if rescales(rotary) else nullcontext():
+        cos, sin = rotary(like, positions.reshape(1, -1).to(like.device))
     shape = (*positions.shape, cos.shape[-1])
     return cos[0].float().reshape(shape), sin[0].float().reshape(shape)
+
+
+def rescales(rotary: torch.nn.Module) -> bool:
+    """Whether ``rotary``'s forward changes its frequencies with the positions it gets (dynamic NTK, longrope)."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    return "dynamic" in rope_type or rope_type == "longrope"
+
+
+@contextmanager
+def state_kept(rotary: torch.nn.Module) -> Iterator[None]:
+    """Restore ``rotary``'s attributes and buffers after the block: a dynamic-NTK or longrope module's forward
+    rescales its frequencies for the positions it is given, and a scorer asking for tables (future positions
+    included) must leave the model's RoPE as the model's own forwards left it."""
+    attributes, buffers = dict(rotary.__dict__), dict(rotary._buffers)
+    try:
+        yield
+    finally:
+        rotary.__dict__.clear()
+        rotary.__dict__.update(attributes)
+        rotary._buffers.clear()
+        rotary._buffers.update(buffers)
 
 
 def pair_rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor):
@@ -61,8 +86,7 @@ def pair_rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: to
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     if rotary is None:
         return None
-    rope_type = getattr(rotary, "rope_type", "default")
-    if "dynamic" in rope_type or rope_type == "longrope":
+    if rescales(rotary):
         cos, sin = rotary_tables(model, positions, like)
         return cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
     angles = positions.to(like.device).float()[..., None] * rotary.inv_freq.float()

@@ -52,3 +52,15 @@ def test_average_rotation_is_the_mean_of_the_modules_rotations(rope):
     cos, sin = rotary_tables(model, torch.arange(300, 340), queries)  # (40, 16) each
     expected = (queries[:, None] * cos + rotate_half(queries[:, None]) * sin).mean(dim=1)
     torch.testing.assert_close(queries @ average_rotation(model, 300, 40, 16, queries).T, expected)
+
+
+def test_a_scorers_tables_past_the_models_length_leave_its_rope_as_it_was():
+    """A dynamic-NTK module rescales its frequencies for the positions its forward gets: the expected attention's
+    future rotation (positions end .. end + 512) changed the model's own RoPE for every later token."""
+    model = llama(ROPES[3])
+    rotary = model.model.rotary_emb
+    position = torch.tensor([[300]])
+    before = rotary(torch.zeros(1), position)[0].clone()
+    average_rotation(model, 2000, 512, 16, torch.zeros(1))
+    rotary_tables(model, torch.arange(1500, 1600), torch.zeros(1))
+    torch.testing.assert_close(rotary(torch.zeros(1), position)[0], before, rtol=0, atol=0)
