@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import average_rotation, rotary_tables, rotate
-from curkv_train.kernels.dispatch import tileable_head_dim, triton_available
+from curkv_train.kernels.dispatch import SUPPORTED_DTYPES, tileable_head_dim, triton_available
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
 EPSILON = 1e-6
@@ -101,7 +101,7 @@ def feature_backend(backend: str, keys: torch.Tensor, values: torch.Tensor) -> s
 
     ``auto`` picks the fused Triton kernels for CUDA tensors that need no gradient, outside
     ``torch.compile`` (which fuses the torch path itself), with a head_dim the kernels tile (a power
-    of two >= 16), and torch otherwise. Unlike the compression kernels, ``auto`` does not pick them
+    of two >= 16) and a dtype they compute in (not float64), and torch otherwise. Unlike the compression kernels, ``auto`` does not pick them
     under ``TRITON_INTERPRET=1``: interpreted, every layer's scoring would take seconds (the kernel
     tests ask for them by name).
     """
@@ -110,7 +110,7 @@ def feature_backend(backend: str, keys: torch.Tensor, values: torch.Tensor) -> s
     if backend != "auto":
         return backend
     needs_grad = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
-    tileable = tileable_head_dim(keys.shape[-1])
+    tileable = tileable_head_dim(keys.shape[-1]) and keys.dtype in SUPPORTED_DTYPES and values.dtype in SUPPORTED_DTYPES
     if keys.is_cuda and tileable and not needs_grad and not torch.compiler.is_compiling() and triton_available():
         return "triton"
     return "torch"

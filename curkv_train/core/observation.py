@@ -62,8 +62,9 @@ class QueryStatistics:
         self.count += queries.shape[2]
 
     def mean(self) -> torch.Tensor:
-        """(batch, heads, head_dim) mean query."""
-        return self.total / self.count
+        """(batch, heads, head_dim) mean query; zeros before any query was counted (a prompt no longer than the
+        skipped first tokens), so the expected attention is uniform there rather than NaN."""
+        return self.total / max(self.count, 1)
 
     def covariance(self) -> torch.Tensor:
         """(batch, heads, head_dim, head_dim) covariance (normalised by the count, as ExpectedAttention)."""
@@ -71,7 +72,7 @@ class QueryStatistics:
         head_dim = mean.shape[-1]
         # the index comes from update, not packing(): a compiled scorer traces this, and would trace the cache
         second = self.outer[..., self.square].unflatten(-1, (head_dim, head_dim))
-        return second / self.count - mean[..., :, None] * mean[..., None, :]
+        return second / max(self.count, 1) - mean[..., :, None] * mean[..., None, :]
 
     def nbytes(self) -> int:
         """Bytes held."""

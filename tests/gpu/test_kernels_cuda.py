@@ -113,10 +113,11 @@ def test_query_feature_kernels_match_the_torch_path_on_cuda(dtype, kv_heads=8, g
 def test_auto_takes_the_feature_kernels_for_the_head_dims_they_tile():
     from curkv_train.core.features import feature_backend
 
-    def backend(head_dim, requires_grad=False):
-        keys = torch.zeros(1, 2, 8, head_dim, device="cuda", requires_grad=requires_grad)
+    def backend(head_dim, requires_grad=False, dtype=torch.float32):
+        keys = torch.zeros(1, 2, 8, head_dim, device="cuda", requires_grad=requires_grad, dtype=dtype)
         return feature_backend("auto", keys, keys)
 
-    assert backend(128) == backend(64) == "triton"
+    assert backend(128) == backend(64) == backend(64, dtype=torch.bfloat16) == "triton"
     assert backend(80) == "torch"  # Phi-style heads: the torch path
     assert backend(128, requires_grad=True) == "torch"
+    assert backend(64, dtype=torch.float64) == "torch"  # the kernels compute in at most fp32

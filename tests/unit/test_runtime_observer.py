@@ -99,3 +99,15 @@ def test_a_crop_the_observation_cannot_undo_is_refused_and_changes_nothing(chunk
     with pytest.raises(CurKVError, match="cannot forget the queries of its last"):
         buffer.crop(sum(chunks) - 1)
     assert (buffer.seen, buffer.unfolded) == (seen, unfolded)
+
+
+def test_a_prompt_within_the_skipped_tokens_scores_without_nans():
+    """Statistics that counted no query (a prompt no longer than statistics_skip, as kvpress may hand a press)
+    give a uniform expected attention, not NaN scores."""
+    from curkv_train.core.observation import QueryStatistics, observe_queries
+
+    statistics = observe_queries(torch.randn(1, 4, 3, 16), skip=4).statistics
+    assert statistics.count == 0
+    assert torch.equal(statistics.mean(), torch.zeros(1, 4, 16))
+    assert torch.equal(statistics.covariance(), torch.zeros(1, 4, 16, 16))
+    assert QueryStatistics.of(torch.randn(1, 4, 5, 16)).mean().isfinite().all()
