@@ -10,10 +10,8 @@ recipe, the base model and the protected spans when they are not given.
 
 from __future__ import annotations
 
-import dataclasses
-
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -159,4 +157,4 @@ def build_scorers(entries: list[ScorerEntry], trained: dict[str, Scorer], model:
 def with_spans(scorer: Scorer, n_sink: int, window: int) -> Scorer:
     """A copy of ``scorer`` (sharing its estimator) protecting ``n_sink`` leading and ``window`` recent tokens:
     what a CurKVCache built on it holds by default (its sinks and its hot tier, in windows)."""
-    return dataclasses.replace(scorer, n_sink=n_sink, window=window)
+    return replace(scorer, n_sink=n_sink, window=window)

@@ -241,7 +241,7 @@ class CurKVCache(Cache):
         if budget < self.settings.fixed_tokens:
             raise CurKVError(f"max_bytes {max_bytes} pays for {max(budget, 0)} tokens per (layer, KV head), fewer than "
                              f"the {self.settings.fixed_tokens} every layer always holds (n_sink + hot tier + interval - 1)"
-                             f"; give at least {self.settings.fixed_tokens * self.bytes_per_token() + self.observation_bytes()} "
+                             f"; give at least {(self.settings.fixed_tokens + 1) * self.bytes_per_token() + self.observation_bytes()} "
                              "bytes or lower n_sink / window / hot_windows / compress_every")
         return budget
 

@@ -383,3 +383,14 @@ def test_a_deep_copy_shares_the_model_and_scorer_and_decodes_apart(model, scorer
     assert twin.layers[0].score_fn.__self__ is twin
     longer = torch.cat([prompt(150), prompt(5, seed=1)], dim=-1)  # the prompt and what follows it
     assert torch.equal(greedy(model, longer, twin, new=3 * WINDOW), greedy(model, longer, cache, new=3 * WINDOW))
+
+
+def test_the_least_byte_budget_an_error_names_is_accepted(model, scorer):
+    import re
+
+    with pytest.raises(CurKVError, match="give at least") as refused:
+        CurKVCache(scorer, model=model, max_bytes=1000, backend="torch")
+    least = int(re.search(r"give at least (\d+) bytes", str(refused.value)).group(1))
+    CurKVCache(scorer, model=model, max_bytes=least, backend="torch")
+    with pytest.raises(CurKVError, match="give at least"):
+        CurKVCache(scorer, model=model, max_bytes=least - 1, backend="torch")
