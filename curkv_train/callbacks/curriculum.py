@@ -170,17 +170,26 @@ class Curriculum(Callback):
         """A CurKVError for a stage the module cannot train or the data loader cannot reshape."""
         data, start = trainer.datamodule, 0
         shapes = set()
+        # validation keeps the recipe's block shape but runs each stage's settings on it
+        validated = getattr(data, "context_length", None) if getattr(trainer, "limit_val_batches", 0) else None
         for index, stage in enumerate(self.stages):
             settings = self.settings_at(start)
             context = settings.get("context_length") or getattr(data, "context_length", None)
             shapes.add((context, settings.get("continuation_length") or getattr(data, "continuation_length", None)))
+            training = self.training_settings(settings, module.settings)
             try:
                 if hasattr(data, "check_shape"):
                     data.check_shape(settings.get("context_length"), settings.get("continuation_length"))
                 if context is not None:
-                    module.check_stage(self.training_settings(settings, module.settings), context)
+                    module.check_stage(training, context)
             except CurKVError as error:
                 raise CurKVError(f"curriculum stage {index}: {error}") from None
+            if validated is not None and validated != context:
+                try:
+                    module.check_stage(training, validated)
+                except CurKVError as error:
+                    raise CurKVError(f"curriculum stage {index}, as validation runs it on the recipe's "
+                                     f"{validated}-token contexts: {error}") from None
             start += stage.steps
         if len(shapes) > 1 and getattr(data, "num_workers", 0):
             raise CurKVError(f"the curriculum changes the block shape but data.num_workers is "

@@ -209,3 +209,20 @@ def test_negative_streaming_settings_are_rejected(field, value):
 def test_an_empty_keep_ratio_list_is_rejected():
     with pytest.raises(CurKVError, match="stage 1 has an empty keep_ratio list"):
         Curriculum([Stage(steps=1), Stage(steps=1, keep_ratio=[])])
+
+
+def test_a_stage_validation_cannot_run_at_the_recipes_context_is_refused_when_validation_runs():
+    """Validation keeps the recipe's block shape (64 tokens here) but runs the stage's settings on it."""
+    def short_contexts_refused(settings: TrainingSettings, context_length: int) -> None:
+        if settings.streaming_rounds and context_length < 128:
+            raise CurKVError("rounds start too early")
+
+    stages = [Stage(steps=1, context_length=256, streaming_rounds=4)]
+    for validation, refused in ((0, False), (1.0, True)):
+        trainer, module, _ = fake_run()
+        trainer.limit_val_batches, module.check_stage = validation, short_contexts_refused
+        if not refused:
+            Curriculum(stages).on_train_start(trainer, module)
+            continue
+        with pytest.raises(CurKVError, match="stage 0, as validation runs it on the recipe's 64-token contexts"):
+            Curriculum(stages).on_train_start(trainer, module)
