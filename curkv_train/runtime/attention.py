@@ -215,13 +215,17 @@ def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per
         was sdpa or eager, or already factored). With any other implementation the hooks are
         still installed and the cache reconstructs its cold blocks.
     """
+    implementation = model.config._attn_implementation
+    if per_layer and "flex" in (implementation or ""):
+        raise CurKVError(f"attention implementation {implementation!r} builds one block mask for layer 0's length, "
+                         "and a layer budget holds a different number of tokens in each layer: load the model with "
+                         "attn_implementation='sdpa' or 'eager', or pass layer_budget='uniform'")
     for module in attention_modules(model):
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(record_cache_layer, with_kwargs=True))
             projection = getattr(module, "q_norm", None) or module.q_proj  # Qwen3 / Gemma3 normalise queries
             setattr(projection, ATTENTION_ATTRIBUTE, weakref.ref(module))
             projection.register_forward_hook(record_queries)
-    implementation = model.config._attn_implementation
     if not (factored or per_layer):
         return False
     if is_factored(implementation):

@@ -143,3 +143,23 @@ def test_a_decode_step_allocates_no_dense_copy_of_the_cold_blocks(model, scorer,
     else:
         assert lengths == {layer.cold_tokens + dense + 1}
         assert probe.largest >= cold_bytes
+
+
+def test_flex_attention_with_a_layer_budget_is_one_error_and_runs_with_one_ratio(scorer):
+    """flex_attention's one block mask, sized for layer 0, failed in the first layer holding another count."""
+    from transformers import LlamaForCausalLM
+
+    from curkv_train.errors import CurKVError
+    from curkv_train.models.base import tiny_llama_config
+
+    config = tiny_llama_config()
+    config._attn_implementation = "flex_attention"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with pytest.raises(CurKVError, match="builds one block mask for layer 0's length"):
+        CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget=LayerBudget((1.0, 5.0)), backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget="uniform", backend="torch")
+    with torch.no_grad():
+        logits = model(torch.randint(3, 512, (1, 150)), past_key_values=cache).logits
+        model(logits[:, -1:].argmax(dim=-1), past_key_values=cache)
+    assert cache.get_seq_length() == 151
