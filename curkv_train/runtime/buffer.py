@@ -48,7 +48,8 @@ class AppendBuffer:
         if self.length + count > self.data.shape[self.dim]:
             room = self.headroom if headroom is None else headroom
             self.data = self._allocate(self.view, self.length + max(count, room))
-        self.data = writable(self.data)
+        else:  # a reallocated tensor is made in the current mode; the one written into may not have been
+            self.data = writable(self.data)
         self.data.narrow(self.dim, self.length, count).copy_(new)
         self.length += count
 
