@@ -3,6 +3,7 @@
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
        [--random-weights] [--layers N] [--compile] [--skip-features NAMES] [--feature-backend auto]
+       [--scorer-precision highest]
 
 ``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
 that family (timing does not depend on the weights). ``--random-weights`` builds the base from its
@@ -23,12 +24,16 @@ and the overhead is what a prefill that overlaps them pays). ``--compile`` score
 replaces those query features by constants in this process: what scoring would cost without them (timing only: the
 scores are then no trained scorer's). ``--feature-backend torch`` keeps the query features' attention-sized parts
 on the torch path where ``auto`` would take the fused Triton kernels (eager scoring on CUDA): the two side by side
-give what the kernels buy. Timing hooks live in this script; the library carries none.
+give what the kernels buy. ``--scorer-precision medium`` scores with bfloat16 operands in the query features'
+attention-sized products (``Scorer.matmul_precision``); the script then also prints how far those scores are from
+the ``highest`` ones on the same prefill (the kept half's overlap per (layer, KV head), and the largest logit change).
+Timing hooks live in this script; the library carries none.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from collections.abc import Iterator
@@ -113,6 +118,33 @@ def make_scorer(spec: str, model) -> Scorer:
     return load_scorer(spec, model=model)
 
 
+def agreement(model, scorer: Scorer, context: int) -> str:
+    """How ``scorer``'s logits compare with the same scorer's at ``highest`` precision on the same inputs, over
+    one CurKVCache prefill of ``context`` random tokens: the mean and least overlap of the top half per
+    (layer, KV head), and the largest logit difference."""
+    pairs, original = [], Scorer.score_layer
+
+    def both(self, *args, **kwargs):
+        tested = original(self, *args, **kwargs)
+        pairs.append((original(dataclasses.replace(self, matmul_precision="highest"), *args, **kwargs), tested))
+        return tested
+
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(1))
+    Scorer.score_layer = both
+    try:
+        with torch.no_grad():
+            model(ids.to(model.device), past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False),
+                  logits_to_keep=1)
+    finally:
+        Scorer.score_layer = original
+    reference, tested = (torch.stack(side) for side in zip(*pairs))  # (layers, batch, kv_heads, tokens)
+    half = reference.shape[-1] // 2
+    kept = [logits.topk(half, dim=-1).indices.sort(dim=-1).values for logits in (reference, tested)]
+    overlap = (kept[0].unsqueeze(-1) == kept[1].unsqueeze(-2)).sum(dim=(-1, -2)).float() / half
+    return (f"{scorer.matmul_precision} vs highest, {context} tokens: top-half overlap mean {overlap.mean():.4f}, "
+            f"least {overlap.min():.4f}; largest logit change {(reference - tested).abs().max().item():.3f}")
+
+
 def seconds(run: Callable[[], None]) -> float:
     """Wall time of one ``run()`` (GPU work included)."""
     start = clock()
@@ -172,6 +204,8 @@ def main() -> None:
                         "timed as constants (what scoring would cost without them)")
     parser.add_argument("--feature-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="who computes the query features' attention-sized parts (auto: Triton on CUDA, eager)")
+    parser.add_argument("--scorer-precision", default="highest", choices=["highest", "medium"],
+                        help="the query features' products: float32 (highest) or from bfloat16 operands (medium)")
     args = parser.parse_args()
     if args.layers is not None and not args.random_weights:
         parser.error("--layers builds a truncated model from the config: pass --random-weights with it")
@@ -185,7 +219,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model(args.base, random_weights=args.random_weights, layers=args.layers,
                        dtype=getattr(torch, args.dtype), device=args.device)
-    scorer = make_scorer(args.scorer, model)
+    scorer = dataclasses.replace(make_scorer(args.scorer, model), matmul_precision=args.scorer_precision)
+    if args.scorer_precision != "highest":
+        print(agreement(model, scorer, int(args.contexts.split(",")[0])))
     scorer = scorer.compiled() if args.compile else scorer  # compiled by the warm-up prefill, not timed
     print(f"host check: {product_ms(args.device):.2f} ms (timing.product_ms)")
     print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")

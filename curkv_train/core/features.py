@@ -34,16 +34,20 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import average_rotation, rotary_tables, rotate
+from curkv_train.errors import CurKVError
 from curkv_train.kernels.dispatch import SUPPORTED_DTYPES, tileable_head_dim, triton_available
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
 EPSILON = 1e-6
+# torch.set_float32_matmul_precision's names: "highest" float32 products, "medium" bfloat16 operands
+MATMUL_PRECISIONS = ("highest", "medium")
 
 
 def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.Tensor, values: torch.Tensor,
                    positions: torch.Tensor, end: int, observation: Observation, *,
                    future_positions: int = 512, pool_kernel: int = 5, gram: torch.Tensor | None = None,
-                   rotation: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                   rotation: torch.Tensor | None = None, backend: str = "auto",
+                   matmul_precision: str = "highest") -> torch.Tensor:
     """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
 
     Args:
@@ -64,10 +68,14 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
             does, outside its graph, as for ``gram``); default: looked up here.
         backend: who computes the attention-sized parts (:func:`feature_backend`): ``torch``, ``triton``
             (the fused kernels of :mod:`curkv_train.kernels.query_features_triton`) or ``auto``.
+        matmul_precision: the torch path's three attention-sized products (:func:`product`): ``highest``
+            (float32) or ``medium`` (bfloat16 operands, float32 after: ~2.5x faster on a CPU with bf16
+            instructions; scores move by up to ~0.1, docs/runtime.md). The Triton kernels ignore it.
 
     Returns:
         (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
     """
+    check_matmul_precision(matmul_precision)
     kv_heads, dim = keys.shape[1], keys.shape[3]
     group = observation.queries.shape[1] // kv_heads
     scale = getattr(module, "scaling", dim**-0.5)
@@ -85,9 +93,9 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
                                                              mean, covariance, gram, scale)
     else:
         float_keys = keys.float()
-        mass = window_mass(queries, float_keys, positions, query_positions)
-        expected = expected_logits(mean, covariance, float_keys, scale)
-        output = output_norms(module, values, group, gram)
+        mass = window_mass(queries, float_keys, positions, query_positions, matmul_precision)
+        expected = expected_logits(mean, covariance, float_keys, scale, matmul_precision)
+        output = output_norms(module, values, group, gram, matmul_precision)
     window = _log_share(F.avg_pool1d(mass, pool_kernel, stride=1, padding=pool_kernel // 2))
     expected = _log_share(expected.softmax(dim=-1).mean(dim=2))
     value_norm = values.float().norm(dim=-1).clamp_min(EPSILON).log()
@@ -116,6 +124,20 @@ def feature_backend(backend: str, keys: torch.Tensor, values: torch.Tensor) -> s
     return "torch"
 
 
+def check_matmul_precision(precision: str) -> None:
+    """A one-line CurKVError unless ``precision`` is one of :data:`MATMUL_PRECISIONS`."""
+    if precision not in MATMUL_PRECISIONS:
+        raise CurKVError(f"unknown matmul precision {precision!r}; expected {' or '.join(MATMUL_PRECISIONS)}")
+
+
+def product(a: torch.Tensor, b: torch.Tensor, precision: str = "highest") -> torch.Tensor:
+    """``a @ b`` in float32; with ``precision="medium"`` from bfloat16 operands (the product rounded to
+    bfloat16, then widened), as torch.set_float32_matmul_precision("medium") would on hardware that does it."""
+    if precision == "medium":
+        return (a.bfloat16() @ b.bfloat16()).float()
+    return a @ b
+
+
 def _log_share(probs: torch.Tensor) -> torch.Tensor:
     """log(n·p) of attention shares p (..., n): 0 where a token gets the uniform share."""
     return (probs * probs.shape[-1] + EPSILON).log()
@@ -132,7 +154,7 @@ def window_queries(model: PreTrainedModel, queries: torch.Tensor, query_position
 
 
 def window_mass(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                query_positions: torch.Tensor) -> torch.Tensor:
+                query_positions: torch.Tensor, precision: str = "highest") -> torch.Tensor:
     """The attention each key gets from the window, averaged over its rows: (batch, kv_heads, tokens).
 
     Args:
@@ -140,10 +162,11 @@ def window_mass(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
         keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
         positions, query_positions: absolute positions of keys ((tokens,) or (batch, kv_heads,
             tokens)) and of the window's W queries (W,); a row sees keys at or before its query's position.
+        precision: of the (rows × tokens) logits' product (:func:`product`).
     """
     batch, kv_heads, rows, _ = queries.shape
     window = query_positions.shape[0]
-    logits = queries @ keys.transpose(-1, -2)  # (b, h, g·W, n)
+    logits = product(queries, keys.transpose(-1, -2), precision)  # (b, h, g·W, n)
     future = positions.unsqueeze(-2) > query_positions.reshape(-1, 1)  # (W, n) or (b, h, W, n)
     # an additive (W, n) mask broadcast over the g query heads: masked_fill with a broadcast mask, or a
     # (g·W, n) one, takes several times longer
@@ -182,16 +205,18 @@ def future_moments(statistics: QueryStatistics, rotation: torch.Tensor, kv_heads
     return mean, covariance
 
 
-def expected_logits(mean: torch.Tensor, covariance: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def expected_logits(mean: torch.Tensor, covariance: torch.Tensor, keys: torch.Tensor, scale: float,
+                    precision: str = "highest") -> torch.Tensor:
     """s·μ'·k_j + ½·s²·k_jᵀΣ'k_j for every query head's Gaussian (:func:`future_moments`) and key:
-    (batch, kv_heads, g, tokens); its softmax over tokens is the expected attention."""
+    (batch, kv_heads, g, tokens); its softmax over tokens is the expected attention. ``precision``: of
+    the quadratic form's (tokens × head_dim²) product (:func:`product`)."""
     linear = torch.einsum("bhgd,bhnd->bhgn", mean, keys) * scale
-    quadratic = ((keys[:, :, None] @ covariance) * keys[:, :, None]).sum(dim=-1)
+    quadratic = (product(keys[:, :, None], covariance, precision) * keys[:, :, None]).sum(dim=-1)
     return linear + 0.5 * scale**2 * quadratic
 
 
 def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,
-                 gram: torch.Tensor | None = None) -> torch.Tensor:
+                 gram: torch.Tensor | None = None, precision: str = "highest") -> torch.Tensor:
     """‖W_O v_j‖ averaged over the KV head's query heads: (batch, kv_heads, tokens).
 
     Args:
@@ -199,22 +224,24 @@ def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,
         values: (batch, kv_heads, tokens, head_dim).
         group: query heads per KV head.
         gram: ``module``'s :func:`output_gram` if the caller has it.
+        precision: of the (tokens × group·head_dim) product (:func:`product`).
     """
-    return head_output_norms(module, values, group, gram).mean(dim=2)
+    return head_output_norms(module, values, group, gram, precision).mean(dim=2)
 
 
 def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,
-                      gram: torch.Tensor | None = None) -> torch.Tensor:
+                      gram: torch.Tensor | None = None, precision: str = "highest") -> torch.Tensor:
     """‖W_O^(h,g) v_j‖ for every query head g of each KV head h: (batch, kv_heads, group, tokens).
 
     W_O^(h,g) is the slice of ``o_proj`` that reads query head h·group + g, so this is the size
     of what token j writes into the residual stream through that head when fully attended.
-    ``gram``: ``module``'s :func:`output_gram` if the caller has it (default: looked up).
+    ``gram``: ``module``'s :func:`output_gram` if the caller has it (default: looked up); ``precision``: of
+    the product with it (:func:`product`).
     """
     batch, kv_heads, tokens, dim = values.shape
     gram = output_gram(module, kv_heads, group) if gram is None else gram
     values = values.float()
-    projected = values @ gram.permute(0, 2, 1, 3).reshape(kv_heads, dim, group * dim)  # (b, h, n, g·d)
+    projected = product(values, gram.permute(0, 2, 1, 3).reshape(kv_heads, dim, group * dim), precision)  # (b, h, n, g·d)
     squared = (projected.reshape(batch, kv_heads, tokens, group, dim) * values[:, :, :, None]).sum(dim=-1)
     return squared.clamp_min(0).sqrt().transpose(2, 3)
 

@@ -114,6 +114,7 @@ def run_eval(
     budget_tokens: IntList | None = None,
     budget_bytes: IntList | None = None,
     budget_baselines: bool = False,
+    scorer_precision: Literal["highest", "medium"] = "highest",
 ) -> Path:
     """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
 
@@ -168,6 +169,8 @@ def run_eval(
         budget_bytes: streaming task: fixed budgets in bytes for the whole cache (max_bytes).
         budget_baselines: prefill tasks: our baselines' selections follow the main scorer's calibrated
             layer budget too (the allocation without the learned scores; kvpress rows keep one ratio).
+        scorer_precision: every scorer's query-feature products: ``highest`` (float32, as trained) or
+            ``medium`` (bfloat16 operands, faster on CPUs with bf16 instructions; docs/runtime.md).
     """
     options = dict(locals())
     if dtype not in DTYPES:
@@ -195,7 +198,8 @@ def run_eval(
 
     model = load_base_model(base, fallback=fallback, dtype=DTYPES[dtype])
     tokenizer = load_tokenizer(base, fallback=fallback)
-    scorers = build_scorers(entries, trained, model, base, spans=(n_sink, window))  # every row protects the same
+    scorers = build_scorers(entries, trained, model, base, spans=(n_sink, window),  # every row protects the same
+                            matmul_precision=scorer_precision)
     for loaded in scorers.values():
         check_scorer_fits(loaded, model)
     if budget_baselines:

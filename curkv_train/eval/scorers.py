@@ -146,11 +146,14 @@ def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -
 
 
 def build_scorers(entries: list[ScorerEntry], trained: dict[str, Scorer], model: PreTrainedModel,
-                  base: str | None = None, spans: tuple[int, int] | None = None) -> dict[str, Scorer]:
+                  base: str | None = None, spans: tuple[int, int] | None = None,
+                  matmul_precision: str = "highest") -> dict[str, Scorer]:
     """Every entry's scorer by method name, in entry order (``init:`` ones built for ``model`` now); with
-    ``spans`` = (n_sink, window), each protects those spans instead of its own (:func:`with_spans`)."""
+    ``spans`` = (n_sink, window), each protects those spans instead of its own (:func:`with_spans`); each
+    scores with ``matmul_precision`` (:attr:`Scorer.matmul_precision`)."""
     scorers = {entry.method: trained[entry.method] if entry.family is None else fresh_scorer(entry.family, model, base)
                for entry in entries}
+    scorers = {name: replace(scorer, matmul_precision=matmul_precision) for name, scorer in scorers.items()}
     return scorers if spans is None else {name: with_spans(scorer, *spans) for name, scorer in scorers.items()}
 
 

@@ -134,6 +134,9 @@ class CurKVCache(Cache):
             compression pays the compilation (tens of seconds), later ones run fused kernels
             (scoring 1.3–1.7× faster on an H200, where it is bound by operator launches;
             docs/runtime.md).
+        scorer_precision: the scorer's :attr:`Scorer.matmul_precision` for this cache (``highest`` or
+            ``medium``: bfloat16 operands in the query features' three attention-sized products); default
+            the scorer's own (``highest`` unless set).
     """
 
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
@@ -145,7 +148,8 @@ class CurKVCache(Cache):
                  cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
                  compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
                  layer_budget: str | LayerBudget = "scorer", backend: str = "auto",
-                 factored_attention: bool = True, compile_scorer: bool = False) -> None:
+                 factored_attention: bool = True, compile_scorer: bool = False,
+                 scorer_precision: str | None = None) -> None:
         from curkv_train.runtime.attention import install_runtime_attention
         from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 
@@ -154,6 +158,7 @@ class CurKVCache(Cache):
         else:
             scorer = load_scorer(scorer, model=model)
         self.sliding_window = check_full_attention(model)
+        scorer = scorer if scorer_precision is None else dataclasses.replace(scorer, matmul_precision=scorer_precision)
         self.scorer, self.model = scorer.compiled() if compile_scorer else scorer, model
         window = scorer.window if window is None else window
         half = max(1, scorer.estimator.head_dim // 2)

@@ -6,13 +6,14 @@ Needs the optional ``kvpress`` package (``pip install curkv-train[kvpress]``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from kvpress.presses.scorer_press import ScorerPress
 from torch import nn
 from transformers import PreTrainedModel
 
+from curkv_train.core.features import check_matmul_precision
 from curkv_train.core.selection import compressible_mask
 from curkv_train.errors import CurKVError
 from curkv_train.runtime.allocation import LayerBudget, check_layer_budget_choice, resolve_layer_budget
@@ -54,12 +55,16 @@ class CurKVPress(ScorerPress):
         :class:`~curkv_train.runtime.CurKVCache` (which reads this argument the same way); the model's
         attention is then switched to the runtime's wrapper, which fits the mask to each layer's length.
         ``"uniform"``: one ratio. A LayerBudget: that split.
+    scorer_precision : str, optional
+        The scorer's ``matmul_precision`` for this press (``highest`` or ``medium``, as
+        :class:`~curkv_train.runtime.CurKVCache` reads it); default the scorer's own.
     """
 
     scorer: Scorer | str | os.PathLike | None = None
     n_sink: int | None = None
     window: int | None = None
     layer_budget: str | LayerBudget = "scorer"
+    scorer_precision: str | None = None
     model: PreTrainedModel | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -67,6 +72,8 @@ class CurKVPress(ScorerPress):
         if self.scorer is None:
             raise CurKVError("CurKVPress needs a scorer: a Scorer or the folder of an exported one")
         check_layer_budget_choice(self.layer_budget)
+        if self.scorer_precision is not None:
+            check_matmul_precision(self.scorer_precision)
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         """Load the scorer (checked against ``model``) and keep the model for its rotary tables."""
@@ -74,6 +81,8 @@ class CurKVPress(ScorerPress):
             from curkv_train.runtime.serialization import load_scorer
 
             self.scorer = load_scorer(self.scorer, model=model)
+        if self.scorer_precision is not None:
+            self.scorer = replace(self.scorer, matmul_precision=self.scorer_precision)
         self.model = model
         if self.budget is not None:
             install_runtime_attention(model, factored=False, per_layer=True)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from curkv_train.core.features import future_rotation, output_gram
+from curkv_train.core.features import check_matmul_precision, future_rotation, output_gram
 from curkv_train.core.observation import Observation, attention_module, observe_queries, pre_rope_queries
 from curkv_train.core.rope import key_view
 from curkv_train.errors import CurKVError
@@ -31,6 +31,9 @@ class Scorer:
         temperature: the score temperature T of its last training stage (s = σ(z / T)).
         layer_budget: how CurKVCache splits a keep ratio across layers (``curkv-train calibrate``),
             or None for one ratio everywhere.
+        matmul_precision: ``highest`` (as trained) or ``medium``: the query features' attention-sized
+            products from bfloat16 operands (:func:`~curkv_train.core.features.product`), faster on a CPU
+            with bf16 instructions at a small cost in agreement (docs/runtime.md). Other families ignore it.
     """
 
     estimator: nn.Module
@@ -41,6 +44,10 @@ class Scorer:
     keep_ratio: float = 0.5
     temperature: float = 1.0
     layer_budget: LayerBudget | None = None
+    matmul_precision: str = "highest"
+
+    def __post_init__(self) -> None:
+        check_matmul_precision(self.matmul_precision)
 
     @property
     def family(self) -> str:
@@ -131,7 +138,7 @@ class Scorer:
         features = None
         if "query_features" in self.estimator.needs:
             features = self.estimator.query_features(model, module, keys, values, positions, end, observation,
-                                                     gram, rotation)[None]
+                                                     gram, rotation, self.matmul_precision)[None]
         inputs = EstimatorInputs(key_view(model, keys, positions, self.key_view, end)[None], values.float()[None],
                                  positions, end, query_features=features,
                                  token_scores=None if token_scores is None else token_scores[None])

@@ -1,9 +1,11 @@
 """The torch path of the query features against plain per-row references, and the rotation shared by a round."""
 
+import pytest
 import torch
 
 from curkv_train.core import features
 from curkv_train.core.rope import average_rotation
+from curkv_train.errors import CurKVError
 
 
 def naive_window_mass(queries, keys, positions, query_positions):
@@ -56,3 +58,19 @@ def test_future_rotation_is_computed_once_per_end_and_matches_average_rotation(m
     torch.testing.assert_close(first, average_rotation(model, 100, 32, dim, like))
     torch.testing.assert_close(later, average_rotation(model, 164, 32, dim, like))
     assert not torch.allclose(first, later)
+
+
+def test_medium_precision_products_are_bfloat16_operand_products():
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(3, 40, 16, generator=gen), torch.randn(3, 16, 24, generator=gen)
+    medium = features.product(a, b, "medium")
+    assert medium.dtype == torch.float32
+    assert torch.equal(medium, (a.bfloat16() @ b.bfloat16()).float())
+    assert not torch.equal(medium, a @ b)  # rounded: the operands lost their low bits
+    torch.testing.assert_close(medium, a @ b, atol=0.1, rtol=0.02)
+    assert torch.equal(features.product(a, b), a @ b)
+
+
+def test_unknown_matmul_precision_is_one_line_error():
+    with pytest.raises(CurKVError, match="unknown matmul precision 'low'; expected highest or medium"):
+        features.check_matmul_precision("low")

@@ -89,6 +89,7 @@ def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
         (["--ratios", "0.5,1.0"], "must lie in [0, 1)"),
         (["--ratios", "0.3,0.5,0.5"], "compression ratios repeat"),
         (["--examples", "many"], "examples"),
+        (["--scorer_precision", "bf16"], "scorer_precision"),
     ],
 )
 def test_bad_input_is_one_line(args, message, capsys):
@@ -228,3 +229,13 @@ def test_a_budgeted_scorer_and_budget_baselines(tmp_path, capsys):
     code, err = run_cli(["--scorer", str(plain), "--budget_baselines", "true", "--out", str(tmp_path / "run2"),
                          *args], capsys)
     assert code == 2 and "--budget_baselines needs a main scorer" in err and err.count("\n") == 1
+
+
+def test_every_scorer_of_a_run_scores_with_the_precision_asked():
+    from curkv_train.eval.scorers import build_scorers, parse_scorers
+    from curkv_train.models.base import load_base_model
+
+    entries = parse_scorers("a=init:query_aware,b=init:seed")
+    scorers = build_scorers(entries, {}, load_base_model(TINY_RANDOM), TINY_RANDOM, spans=(4, 16),
+                            matmul_precision="medium")
+    assert [(scorer.matmul_precision, scorer.window) for scorer in scorers.values()] == [("medium", 16)] * 2

@@ -1,6 +1,8 @@
 """Estimator families: one feature function gives the same scores in training capture, CurKVCache and
 CurKVPress; a query-aware scorer starts out ranking like its training-free rule; bad input is refused."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,9 +40,9 @@ def training_logits(scorer, ids):
         return estimator(estimator_inputs(base, estimator, capture, scorer.key_view))
 
 
-def cache_logits(scorer, model, ids):
-    """What CurKVCache scores at its first compression, right after the prefill."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+def cache_logits(scorer, model, ids, **options):
+    """What CurKVCache (``options`` its keywords) scores at its first compression, right after the prefill."""
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch", **options)
     seen = {}
     original = cache._score
 
@@ -55,13 +57,14 @@ def cache_logits(scorer, model, ids):
     return torch.stack([seen[layer] for layer in sorted(seen)])
 
 
-def press_logits(scorer, model, ids):
-    """What CurKVPress's score gives each layer during a kvpress prefill (protection lifted back off)."""
+def press_logits(scorer, model, ids, **options):
+    """What CurKVPress (``options`` its keywords) gives each layer during a kvpress prefill (protection lifted
+    back off)."""
     pytest.importorskip("kvpress")
     from curkv_train.runtime import CurKVPress
     from curkv_train.runtime.press import PROTECTED_SCORE
 
-    press = CurKVPress(scorer=scorer, compression_ratio=0.5, n_sink=0, window=0)
+    press = CurKVPress(scorer=scorer, compression_ratio=0.5, n_sink=0, window=0, **options)
     seen = {}
     original = press.score
 
@@ -171,3 +174,28 @@ def test_observation_window_takes_the_last_tokens():
     last = observation.last(3)
     assert last.queries.flatten().tolist() == [7.0, 8.0, 9.0] and last.positions.tolist() == [12, 13, 14]
     assert compressible_mask(10, 2, 3).sum() == 5
+
+
+def test_cache_and_press_score_with_the_precision_they_are_given(model, ids):
+    scorer = family_scorer("query_aware")
+    medium = dataclasses.replace(scorer, matmul_precision="medium")
+    highest = cache_logits(scorer, model, ids)
+    cached = cache_logits(scorer, model, ids, scorer_precision="medium")
+    assert torch.equal(cached, cache_logits(medium, model, ids))  # the cache's option is the scorer's setting
+    assert not torch.equal(cached, highest)  # bfloat16 operands moved the logits...
+    torch.testing.assert_close(cached, highest, atol=0.5, rtol=0.05)  # ...a little
+    torch.testing.assert_close(press_logits(scorer, model, ids, scorer_precision="medium"), cached,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_scorer_precision_is_refused(model):
+    scorer = family_scorer("query_aware")
+    with pytest.raises(CurKVError, match="unknown matmul precision 'bf16'"):
+        dataclasses.replace(scorer, matmul_precision="bf16")
+    with pytest.raises(CurKVError, match="unknown matmul precision 'bf16'"):
+        CurKVCache(scorer, model=model, scorer_precision="bf16")
+    pytest.importorskip("kvpress")
+    from curkv_train.runtime import CurKVPress
+
+    with pytest.raises(CurKVError, match="unknown matmul precision 'bf16'"):
+        CurKVPress(scorer=scorer, compression_ratio=0.5, scorer_precision="bf16")
