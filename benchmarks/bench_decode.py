@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 256] [--threads 2]
        [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot,uniform,every-window,
-        compiled]
+        compiled,medium,compiled-medium]
        [--backend auto]
        [--rounds 2]
 
@@ -35,7 +35,9 @@ kept places to the newest tokens); ``score-only`` every kept place by score (``r
 layer (``layer_budget="uniform"``; the default follows the scorer's calibrated budget, if any);
 ``every-window`` the earlier defaults, a compression every window with a hot tier of 3 (the same
 most-held tokens as the default's 2 and 2); ``compiled`` the default scoring through ``torch.compile``
-(``compile_scorer=True``; the prefill's compression compiles it, so only the prefill pays). ``--new-tokens`` should be a multiple of every setting's
+(``compile_scorer=True``; the prefill's compression compiles it, so only the prefill pays); ``medium`` the default
+with the query features' products from bfloat16 operands (``scorer_precision="medium"``), ``compiled-medium`` both.
+``--new-tokens`` should be a multiple of every setting's
 compression interval (the default's is 128 tokens; 64 for ``every-window``): the prefill leaves no
 token pending, so each setting then compresses exactly once per interval timed.
 
@@ -78,6 +80,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "uniform": {"layer_budget": "uniform"},
     "every-window": {"compress_every": 1, "hot_windows": 3},
     "compiled": {"compile_scorer": True},
+    "medium": {"scorer_precision": "medium"},
+    "compiled-medium": {"compile_scorer": True, "scorer_precision": "medium"},
 }
 BASELINE = "dynamic"
 DEFAULT = "default"
