@@ -131,8 +131,9 @@ def check_matmul_precision(precision: str) -> None:
 
 
 def product(a: torch.Tensor, b: torch.Tensor, precision: str = "highest") -> torch.Tensor:
-    """``a @ b`` in float32; with ``precision="medium"`` from bfloat16 operands (the product rounded to
-    bfloat16, then widened), as torch.set_float32_matmul_precision("medium") would on hardware that does it."""
+    """``a @ b`` in float32; with ``precision="medium"`` from bfloat16 operands, the product also rounded to
+    bfloat16 (a CPU's bfloat16 matmul returns bfloat16), then widened. torch.set_float32_matmul_precision("medium")
+    rounds only the operands, and only where the hardware has a bfloat16 path; this does it everywhere."""
     if precision == "medium":
         return (a.bfloat16() @ b.bfloat16()).float()
     return a @ b
