@@ -1,5 +1,6 @@
 """Scorer.compiled(): the eager scorer's logits through torch.compile, one graph for every layer and length."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -59,3 +60,12 @@ def test_a_layers_scoring_compiles_to_one_graph(model):
     scorer.compiled().score_layer(model, 1, **layer_inputs(scorer, model, 1, 48, seed=1))
     assert counters["stats"]["unique_graphs"] == 1  # nothing the graph calls is left to eager (no graph break)
     assert not counters["graph_break"]
+
+
+@torch.no_grad()
+def test_compiled_medium_precision_logits_equal_the_eager_medium_ones(model):
+    scorer = dataclasses.replace(family_scorer("query_aware"), matmul_precision="medium")
+    inputs = layer_inputs(scorer, model, 1, 64, seed=3)
+    eager = scorer.score_layer(model, 1, **inputs)
+    assert not torch.equal(eager, dataclasses.replace(scorer, matmul_precision="highest").score_layer(model, 1, **inputs))
+    torch.testing.assert_close(scorer.compiled().score_layer(model, 1, **inputs), eager, atol=1e-4, rtol=1e-4)
