@@ -70,7 +70,7 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
             (the fused kernels of :mod:`curkv_train.kernels.query_features_triton`) or ``auto``.
         matmul_precision: the torch path's three attention-sized products (:func:`product`): ``highest``
             (float32) or ``medium`` (bfloat16 operands, float32 after: ~2.5x faster on a CPU with bf16
-            instructions; scores move by up to ~0.1, docs/runtime.md). The Triton kernels ignore it.
+            instructions; the shipped scorer's logits move by up to 0.14, docs/runtime.md). The Triton kernels ignore it.
 
     Returns:
         (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
