@@ -70,7 +70,8 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
             (the fused kernels of :mod:`curkv_train.kernels.query_features_triton`) or ``auto``.
         matmul_precision: the torch path's three attention-sized products (:func:`product`): ``highest``
             (float32) or ``medium`` (bfloat16 operands, float32 after: ~2.5x faster on a CPU with bf16
-            instructions; the shipped scorer's logits move by up to 0.14, docs/runtime.md). The Triton kernels ignore it.
+            instructions; the shipped scorer's logits move by up to 0.14, docs/runtime.md). The Triton kernels
+            ignore it.
 
     Returns:
         (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
@@ -242,7 +243,8 @@ def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,
     batch, kv_heads, tokens, dim = values.shape
     gram = output_gram(module, kv_heads, group) if gram is None else gram
     values = values.float()
-    projected = product(values, gram.permute(0, 2, 1, 3).reshape(kv_heads, dim, group * dim), precision)  # (b, h, n, g·d)
+    stacked = gram.permute(0, 2, 1, 3).reshape(kv_heads, dim, group * dim)
+    projected = product(values, stacked, precision)  # (b, h, n, g·d)
     squared = (projected.reshape(batch, kv_heads, tokens, group, dim) * values[:, :, :, None]).sum(dim=-1)
     return squared.clamp_min(0).sqrt().transpose(2, 3)
 
