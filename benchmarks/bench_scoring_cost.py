@@ -17,7 +17,8 @@ pipeline runs the base model without its head): the prefill a user's generation 
 split into what the cache adds: observing (the hooks' recording of queries / hidden states and
 the query statistics), scoring (features + estimator, ``CurKVCache._score``) and selecting
 (top-k and compaction, the rest of ``CurKVLayer._evict``). Prints each as a share of the plain
-prefill (target: scoring <= 5 %), and the whole overhead from prefills timed without the parts'
+prefill (target: scoring <= 5 %; the medians over rounds, and the score share's range over them: a shared host's
+drifts move it by a point or more), and the whole overhead from prefills timed without the parts'
 timers (on a GPU those wait for the device at every part, so the parts are upper bounds there,
 and the overhead is what a prefill that overlaps them pays). ``--compile`` scores through
 ``Scorer.compiled()``, compiled by the warm-up prefill. ``--skip-features window_attention,output_norm``
@@ -71,7 +72,7 @@ def instrumented() -> Iterator[None]:
 def _zeros_standing_in_for(name: str) -> Callable[..., torch.Tensor]:
     """A stand-in for the torch-path function ``name`` of curkv_train.core.features: zeros of its output's shape."""
     shapes = {"window_mass": lambda queries, keys, *rest: keys.shape[:3],  # (b, h, n)
-              "expected_logits": lambda mean, covariance, keys, scale: (*mean.shape[:3], keys.shape[2]),  # (b, h, g, n)
+              "expected_logits": lambda mean, covariance, keys, *rest: (*mean.shape[:3], keys.shape[2]),  # (b, h, g, n)
               "head_output_norms": lambda module, values, *rest: (*values.shape[:2], 1, values.shape[2])}  # (b, h, 1, n)
     return lambda *args, **kwargs: args[1].new_zeros(shapes[name](*args))
 
@@ -185,6 +186,7 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
             "cache_prefill_s": round(statistics.median([r["cached"] for r in rounds]), 4),
             **{f"{k}_s": round(v, 4) for k, v in parts.items()},
             **{f"{k}_share": round(statistics.median([r[k] / r["plain"] for r in rounds]), 4) for k in parts},
+            "score_share_range": [round(f([r["score"] / r["plain"] for r in rounds]), 4) for f in (min, max)],
             "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
@@ -233,7 +235,11 @@ def main() -> None:
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
               f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "
               f"{row['overhead_share']:>9.1%}")
-    print(f"shares are of the plain prefill; target: score <= 5 %; host check at the end: {product_ms(args.device):.2f} ms")
+    print(f"shares are of the plain prefill, medians of the rounds; target: score <= 5 %; host check at the end: "
+          f"{product_ms(args.device):.2f} ms")
+    for row in rows:
+        low, high = row["score_share_range"]
+        print(f"{row['context']:>8}: score share per round {low:.1%} to {high:.1%}")
     for row in rows:
         print(json.dumps(row))
 

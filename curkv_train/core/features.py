@@ -39,6 +39,7 @@ from curkv_train.kernels.dispatch import SUPPORTED_DTYPES, tileable_head_dim, tr
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
 EPSILON = 1e-6
+MASKED = -1e30  # an additive mask: exp(MASKED - peak) is 0, and MASKED + a logit is finite
 # torch.set_float32_matmul_precision's names: "highest" float32 products, "medium" bfloat16 operands
 MATMUL_PRECISIONS = ("highest", "medium")
 
@@ -170,12 +171,17 @@ def window_mass(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
     window = query_positions.shape[0]
     logits = product(queries, keys.transpose(-1, -2), precision)  # (b, h, g·W, n)
     future = positions.unsqueeze(-2) > query_positions.reshape(-1, 1)  # (W, n) or (b, h, W, n)
-    # an additive (W, n) mask broadcast over the g query heads: masked_fill with a broadcast mask, or a
-    # (g·W, n) one, takes several times longer
+    # an additive (W, n) mask broadcast over the g query heads (masked_fill with a broadcast mask, or a (g·W, n)
+    # one, takes several times longer); -1e30, not -inf, so that a row seeing no key is a finite softmax, which
+    # its weight of 0 then drops: no NaN to clean up (nan_to_num's per-element check cost as much as the softmax)
     logits = logits.view(batch, kv_heads, rows // window, window, -1).add_(
-        torch.where(future, float("-inf"), 0.0).unsqueeze(-3))
-    probs = logits.view(batch, kv_heads, rows, -1).softmax(dim=-1).nan_to_num_(0.0)
-    return probs.mean(dim=2)  # the mean over rows is linear, as the pooling is: taken first, pooled R times less
+        torch.where(future, MASKED, 0.0).unsqueeze(-3)).view(batch, kv_heads, rows, -1)
+    probs = logits.softmax(dim=-1)
+    sees_a_key = (positions.amin(dim=-1, keepdim=True) <= query_positions).float() / rows  # (W,) or (b, h, W)
+    weight = sees_a_key.expand(batch, kv_heads, window).repeat(1, 1, rows // window)  # (b, h, g·W)
+    # the mean over rows as a product with the weights, not a reduction over dim 2 (~1.5x the softmax compiled);
+    # taken before the pooling, which is linear too: pooled R times less
+    return (weight.unsqueeze(-2) @ probs).squeeze(-2)
 
 
 @torch.compiler.disable  # a cache lookup, like output_gram: traced, its key would be a guard
