@@ -37,13 +37,12 @@ def test_window_mass_masks_each_query_heads_rows_by_their_query_position():
                                    naive_window_mass(queries, keys, token_positions, query_positions))
 
 
-
 def test_window_mass_gradient_matches_the_per_row_softmax():
     """A finite mask and the rows' mean as a product with weights: the gradient must still be the per-row softmax's."""
     gen = torch.Generator().manual_seed(1)
     queries = torch.randn(1, 2, 6, 8, generator=gen)
     keys = torch.randn(1, 2, 11, 8, generator=gen)
-    positions, query_positions = torch.arange(11), torch.tensor([3, 9, 10])
+    positions, query_positions = torch.arange(2, 13), torch.tensor([1, 9, 12])  # the first query sees no key
     weights = torch.randn(1, 2, 11, generator=gen)
     grads = []
     for mass in (features.window_mass, naive_window_mass):
@@ -52,6 +51,7 @@ def test_window_mass_gradient_matches_the_per_row_softmax():
         grads.append([leaf.grad for leaf in leaves])
     for tested, reference in zip(*grads):
         torch.testing.assert_close(tested, reference)
+
 
 def test_expected_logits_are_each_query_heads_gaussian_logits():
     gen = torch.Generator().manual_seed(1)
