@@ -181,12 +181,13 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
     rounds = rounds[1:]  # the warm-up round
     plain_s = statistics.median([r["plain"] for r in rounds])
     parts = {k: statistics.median([r[k] for r in rounds]) for k in ("observe", "score", "select")}
+    shares = {k: [r[k] / r["plain"] for r in rounds] for k in parts}  # per round
     return {"context": context, "family": scorer.family, "device": str(model.device), "dtype": str(model.dtype),
             "layers": model.config.num_hidden_layers, "rounds": repeats, "plain_prefill_s": round(plain_s, 4),
             "cache_prefill_s": round(statistics.median([r["cached"] for r in rounds]), 4),
             **{f"{k}_s": round(v, 4) for k, v in parts.items()},
-            **{f"{k}_share": round(statistics.median([r[k] / r["plain"] for r in rounds]), 4) for k in parts},
-            "score_share_range": [round(f([r["score"] / r["plain"] for r in rounds]), 4) for f in (min, max)],
+            **{f"{k}_share": round(statistics.median(shares[k]), 4) for k in parts},
+            "score_share_range": [round(f(shares["score"]), 4) for f in (min, max)],
             "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
