@@ -59,16 +59,18 @@ def result_row(method: str, ratio: float, task: str, kind: str, main: str, sums:
 
 
 def result_rows(log: ExampleSums, tags: dict[str, list[dict[str, str]]], main_metric: dict[str, str],
-                kinds: dict[str, str], bootstrap: Bootstrap, reference: str) -> list[dict]:
+                kinds: dict[str, str], bootstrap: Bootstrap, reference: str,
+                groups: dict[str, list[str] | None] | None = None) -> list[dict]:
     """Every cell of ``log`` as a results row; ``reference`` (the full cache, at ratio 0) is every row's baseline.
 
     Args:
         tags: task -> per example, its tags (example order).
         main_metric, kinds: task -> its main metric / metric kind.
+        groups: task -> per example, its resampling unit (:meth:`Bootstrap.weights`), or None (examples one by one).
     """
     rows = []
     for method, ratio, task in log.cells:
         full = log.sums(reference, 0.0, task) or None
         rows.append(result_row(method, ratio, task, kinds[task], main_metric[task], log.sums(method, ratio, task),
-                               full, tags[task], bootstrap))
+                               full, tags[task], bootstrap, (groups or {}).get(task)))
     return rows

@@ -160,7 +160,8 @@ def run_eval(
         stream_prefix: tokens prefilled at once; the streaming perplexity is over the tokens after them.
         stream_chunk: tokens fed per step after the prefix (1 = token by token).
         stream_documents: documents per streaming task, at most.
-        stream_segment: scored tokens per recorded segment of the streaming task (its bootstrap resamples documents).
+        stream_segment: scored tokens per recorded segment of the streaming task (its bootstrap resamples
+            held-out files).
         stream_rows: streaming task: comma-separated subset of its rows (full, streaming_llm, curkv,
             curkv_uniform, curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL, kvpress:decoding/NAME);
             default all; ``full`` always runs.

@@ -2,8 +2,9 @@
 
 The ablation reading of a run: for each pair ``A..B`` (method names as in the run's rows; ``..``
 because names hold ``:``), per task and ratio, A's main metric minus B's on the same examples,
-with the paired 95 % bootstrap interval and the verdict the run's summary uses (prefill rows per
-example, streaming rows per document, its segments resampled together)::
+with the paired 95 % bootstrap interval and the verdict the run's summary uses (resampled as the rows record:
+perplexity examples by held-out document, synthetic ones one by one, streaming segments by document; runs written
+before rows recorded their groups resample prefill examples one by one)::
 
     curkv-train compare --run runs/eval-ablation --pairs "curkv:query_aware_dense..curkv:query_aware"
 """
@@ -25,14 +26,15 @@ SEPARATOR = ".."
 
 def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     """(method, setting, task) -> (row, kind, metric, full row, bootstrap, groups) of a run's prefill rows
-    (setting: the ratio; examples resampled one by one) and streaming rows (setting: the memory setting's
-    label; the metric is the perplexity increase; segments resampled by document)."""
+    (setting: the ratio; examples resampled by the row's ``example_groups``, one by one without) and streaming
+    rows (setting: the memory setting's label; the metric is the perplexity increase; segments resampled by the
+    row's ``example_groups``, or by document in runs written before rows kept them)."""
     cells = {}
     prefill = {(row["method"], row["ratio"], row["task"]): row for row in results["rows"]}
     bootstrap = Bootstrap(**results["bootstrap"])
     for (method, ratio, task), row in prefill.items():
         cells[(method, f"{ratio:g}", task)] = (row, TASKS[task][0], results["main_metric"][task],
-                                               prefill.get(("full", 0.0, task)), bootstrap, None)
+                                               prefill.get(("full", 0.0, task)), bootstrap, row.get("example_groups"))
     streaming = results.get("streaming") or {"rows": [], "bootstrap": results["bootstrap"]}
     stream = {(row["method"], row["setting"], row["task"]): row for row in streaming["rows"]}
     bootstrap = Bootstrap(**streaming["bootstrap"])
@@ -104,7 +106,7 @@ def compare_methods(results: dict, first: str, second: str) -> list[dict]:
 
 def comparison_markdown(run: str, pairs: list[str]) -> str:
     """A markdown table of :func:`compare_methods` for each ``A..B`` of ``pairs`` over the run folder ``run``."""
-    results = json.loads((Path(run) / "results.json").read_text())
+    results = _read_results(Path(run) / "results.json")
     lines = ["| A | B | task | setting | A | B | A − B [95 %] | verdict for A |", "|---|---|---|---|---|---|---|---|"]
     for pair in pairs:
         first, separator, second = pair.partition(SEPARATOR)
@@ -116,6 +118,18 @@ def comparison_markdown(run: str, pairs: list[str]) -> str:
                          f"{entry[second]:.4g} | {entry['difference']:+.3g} [{low:+.3g}, {high:+.3g}] | "
                          f"{entry['verdict']} |")
     return "\n".join(lines)
+
+
+def _read_results(path: Path) -> dict:
+    """A run's results.json, or a one-line CurKVError where it is not one (unreadable, not JSON, no rows)."""
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CurKVError(f"cannot read {str(path)!r} as a curkv-train eval's results: {error}") from None
+    if not isinstance(results, dict) or not {"rows", "bootstrap", "main_metric"} <= results.keys():
+        raise CurKVError(f"{str(path)!r} is not a curkv-train eval's results.json (it needs rows, bootstrap and "
+                         "main_metric)")
+    return results
 
 
 def compare(run: str, pairs: NameList) -> None:

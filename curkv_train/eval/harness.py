@@ -260,7 +260,8 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
             kvpress presses (KVzip) are never baselines either.
 
     Returns:
-        {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums"}]
+        {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums" and, for
+        perplexity tasks, "example_groups": each example's document, the bootstrap's unit}]
         (:mod:`curkv_train.eval.aggregate`), "summary": ``ours`` against the best baseline per task and
         ratio (:func:`curkv_train.eval.statistics.summarize`), "main_metric": {task: metric},
         "seconds_per_example": {task: float}, "bootstrap": its settings, "masked_methods": the
@@ -290,7 +291,11 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     main_metric = {task: MAIN_METRIC[TASKS[task][0]] for task in examples}
     kinds = {task: TASKS[task][0] for task in examples}
     tags = {task: [example.tags for example in task_examples] for task, task_examples in examples.items()}
-    rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL)
+    # perplexity examples resampled by document (TaskExample.group); synthetic ones one by one
+    groups = {task: [example.group for example in task_examples]
+              if all(example.group for example in task_examples) else None
+              for task, task_examples in examples.items()}
+    rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL, groups)
     multi_pass = kvpress_bridge.multi_pass_methods(settings.kvpress_presses) if settings.kvpress else []
     summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL,
                         exclude=(*not_baselines, *multi_pass))

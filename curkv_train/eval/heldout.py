@@ -186,6 +186,13 @@ class HeldOutText:
             return []
         return [self.names[index] for index in dict.fromkeys(self.document_ids[start:stop].tolist())]
 
+    def main_document(self, start: int, stop: int) -> str:
+        """Id of the document most of tokens [start, stop) came from (among equals the first in stream order),
+        or "" for a stream without document ids."""
+        if not len(self.document_ids):
+            return ""
+        return self.names[int(np.bincount(self.document_ids[start:stop]).argmax())]
+
 
 def python_text_documents() -> Iterator[dict]:
     """The :data:`PYTHON_TEXT_FILES` present here, as documents ``{"id": "python_text/<path>", "text"}``."""

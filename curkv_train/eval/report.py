@@ -130,13 +130,24 @@ def curkv_summary(results: dict) -> list[str]:
     return lines
 
 
+def _resampling_units(rows: list[dict]) -> str:
+    """The sentence naming each task whose examples are drawn by group (its held-out documents), or ""."""
+    units = {row["task"]: (len(set(row["example_groups"])), len(row["example_groups"]))
+             for row in rows if row.get("example_groups")}
+    if not units:
+        return ""
+    counts = ", ".join(f"{task} {groups} for {examples} examples" for task, (groups, examples) in units.items())
+    return (f" Perplexity examples are drawn by held-out document, every example of a document together "
+            f"(documents: {counts}).")
+
+
 def _notes(results: dict, config: dict) -> list[str]:
     """What the tables cannot say: data split, intervals, masked presses, prefill costs."""
     bootstrap = results.get("bootstrap", {})
     lines = [f"Intervals: {100 * bootstrap.get('confidence', 0.95):g} % percentile bootstrap over examples "
              f"({bootstrap.get('resamples', '?')} resamples, seed {bootstrap.get('seed', '?')}); each resample "
              "recomputes the metric from its examples' sums (perplexity: the ratio of summed NLLs over summed "
-             "tokens, against the full cache's on the same examples)."]
+             "tokens, against the full cache's on the same examples)." + _resampling_units(results["rows"])]
     data = config.get("data") or {}
     for name, stream in (data.get("streams") or {}).items():
         parts = [_stream_part(part) for part in stream.get("parts") or [stream]]

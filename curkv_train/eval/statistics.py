@@ -1,7 +1,8 @@
 """Bootstrap intervals over examples, and the paired verdict of curkv against the best baseline.
 
 Examples are resampled with replacement (seeded; the same resamples for every method of
-a task, so differences are paired) and each metric is recomputed from the resampled
+a task, so differences are paired; examples that are not independent, such as the perplexity examples of one
+held-out document, are drawn together) and each metric is recomputed from the resampled
 examples' summed measures, as the point estimate is: perplexity increase is the ratio
 of summed NLLs (over summed tokens) to the full cache's on the same resample, accuracy
 the exact answers over the resampled examples, and so on. Intervals are percentile
@@ -135,7 +136,7 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
     The best baseline is the best point estimate among every method but ``ours``, the
     ``reference`` (the full cache) and ``exclude`` (other scorers' rows), the first in method
     order among equals; the verdict reads the paired bootstrap interval of ours − best on the
-    same examples (:func:`verdict`).
+    same examples, resampled by the row's ``example_groups`` where it has them (:func:`verdict`).
 
     Args:
         rows: results rows with ``metrics``, ``intervals`` and ``example_sums``.
@@ -164,7 +165,7 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
             best_value, best = (min if name in LOWER_IS_BETTER else max)(scored, key=lambda scored: scored[0])
             theirs = table[(best, ratio, task)]
             sums = example_sums(mine)
-            weights = bootstrap.weights(len(next(iter(sums.values()))), task)
+            weights = bootstrap.weights(len(next(iter(sums.values()))), task, mine.get("example_groups"))
             difference = paired_difference(kinds[task], name, sums, example_sums(theirs), full, weights, bootstrap)
             at_full = full_row is not None and best_value == full_row["metrics"].get(name)
             entries.append({"task": task, "metric": name, "ratio": ratio, "method": ours,

@@ -30,9 +30,10 @@ ratio 1 − ratio, the runtime cache's ``keep_ratio``) or a fixed budget (``max_
 
 Bytes held are :meth:`CurKVCache.nbytes` (every tier, positions, observation) or the K/V
 tensors of a DynamicCache, measured after every step; rows report their mean over the steps
-and their value at the end. Intervals resample documents (paired across methods), each
-document's ``segment``-token stretches of scored tokens drawn together: stretches of one
-document are not independent. ``segment`` sets the rows' per-segment records only.
+and their value at the end. Intervals resample held-out files (paired across methods), each
+file's ``segment``-token stretches of scored tokens drawn together, over every streamed document cut
+from it (a long file gives several): stretches of one file are not independent. ``segment`` sets the
+rows' per-segment records only.
 """
 
 from __future__ import annotations
@@ -190,7 +191,10 @@ def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamD
             if progress is not None:
                 progress(f"{task} document {index + 1}/{len(task_documents)}: {time.perf_counter() - tick:.1f} s")
         seconds[task] = (time.perf_counter() - started) / max(1, len(task_documents))
-    rows = _rows(cells, settings, skipped)
+    # the bootstrap's unit: a document's file (a long file gives several streamed documents, not independent)
+    units = {task: [document.sources[0] if document.sources else str(index)
+                    for index, document in enumerate(task_documents)] for task, task_documents in documents.items()}
+    rows = _rows(cells, settings, skipped, units)
     return {"rows": rows, "summary": summarize_streaming(rows, settings.bootstrap, main=main),
             "settings": [memory.record() for memory in settings.memory],
             "documents": {task: [{"sources": list(document.sources), "tokens": int(document.input_ids.shape[1])}
@@ -203,8 +207,10 @@ def _joined(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
-def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, skipped: dict[str, str]) -> list[dict]:
-    """One results row per cell, complete documents only (a press that failed midway has no row)."""
+def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, skipped: dict[str, str],
+          units: dict[str, list[str]]) -> list[dict]:
+    """One results row per cell, complete documents only (a press that failed midway has no row); ``units``:
+    task -> per document, the bootstrap's unit (its segments are drawn with every other document's of that unit)."""
     ratios = {memory.label: memory.ratio for memory in settings.memory}
     rows = []
     for (method, label, task), cell in cells.items():
@@ -212,8 +218,9 @@ def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, sk
         if method in skipped or full_cell is None or len(cell.sums) != len(full_cell.sums):
             continue
         sums, full = _joined(cell.sums), _joined(full_cell.sums)
-        groups = [number for number, part in enumerate(cell.sums) for _ in part["tokens"]]
-        tags = [{"document": str(number)} for number in groups]
+        numbers = [number for number, part in enumerate(cell.sums) for _ in part["tokens"]]
+        groups = [units[task][number] for number in numbers]
+        tags = [{"document": str(number)} for number in numbers]
         row = result_row(method, ratios.get(label, 0.0 if method == FULL else None), task, "ppl", MAIN_METRIC,
                          sums, full, tags, settings.bootstrap, groups)
         row["setting"] = label
@@ -236,7 +243,7 @@ def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, sk
 def summarize_streaming(rows: list[dict], bootstrap: Bootstrap, *, main: str | None) -> list[dict]:
     """Per task and setting: the main scorer's default cache against ``recency`` (equal bytes, the score
     alone differs) and against the best other non-curkv method, paired over the same segments, resampled
-    by document."""
+    by file (the rows' ``example_groups``)."""
     if not main:
         return []
     table = {(row["method"], row["setting"], row["task"]): row for row in rows}

@@ -75,9 +75,10 @@ def streaming_markdown(streaming: dict) -> list[str]:
              "fixed budgets (tokens per (layer, KV head), or bytes for the whole cache). Bytes held: "
              "`CurKVCache.nbytes()` (every tier, positions, observation) or the K/V tensors of a DynamicCache, after "
              "every step, as % of the full cache's (mean over the steps; at the end in parentheses). Intervals: "
-             f"{100 * bootstrap.get('confidence', 0.95):g} % bootstrap over documents ({bootstrap.get('resamples', '?')} "
-             f"resamples; each document's {streaming['segment']}-token segments of scored tokens drawn together, "
-             "since segments of one document are not independent): with few documents the intervals are wide.", ""]
+             f"{100 * bootstrap.get('confidence', 0.95):g} % bootstrap over held-out files "
+             f"({bootstrap.get('resamples', '?')} resamples; each file's {streaming['segment']}-token segments of "
+             "scored tokens drawn together, over every document cut from it, since segments of one file are not "
+             "independent): with few files the intervals are wide.", ""]
     if any(setting.get("max_tokens") or setting.get("max_bytes") for setting in streaming.get("settings", [])):
         lines += ["Under a fixed budget every cache runs at keep ratio 1.0, and the runtime CurKVCache forms its "
                   "cold tier only while its keep ratio is below 1: in the budget columns `curkv_cold` and "

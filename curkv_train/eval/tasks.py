@@ -57,6 +57,9 @@ class TaskExample:
         answer: [start, end) answer span in continuation coordinates, or None (whole continuation).
         tags: breakdown labels, e.g. {"depth": "0.5", "length": "1024"}.
         documents: ids of the held-out documents a perplexity example's tokens came from.
+        group: the bootstrap's resampling unit: for a perplexity example, the held-out document most of its
+            tokens came from (examples of one document are not independent, and examples beyond the stream's
+            disjoint blocks overlap others); "" for a synthetic example, a unit of its own.
     """
 
     task: str
@@ -65,6 +68,7 @@ class TaskExample:
     answer: tuple[int, int] | None = None
     tags: dict[str, str] = field(default_factory=dict)
     documents: tuple[str, ...] = ()
+    group: str = ""
 
 
 def check_tasks(names: list[str], valid=TASKS) -> list[str]:
@@ -174,7 +178,8 @@ def _rng(seed: int, task: str, index: int) -> random.Random:
 
 def _block_starts(stream_length: int, length: int, examples: int, seed: int, task: str) -> list[int]:
     """Start of each example's block of ``length`` tokens: disjoint blocks while the stream holds enough of
-    them (the bootstrap treats examples as independent), random offsets for the examples beyond that."""
+    them, random offsets for the examples beyond that (overlapping others: the bootstrap resamples the examples
+    of one document together, :attr:`TaskExample.group`)."""
     if stream_length < length:
         raise CurKVError(f"the held-out stream has {stream_length} tokens, fewer than one example of {length}; "
                          "lower --context_length / --continuation_length")
@@ -190,7 +195,8 @@ def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.nda
     """``examples`` examples of ``task``; passkey examples cycle over the (length, depth) grid.
 
     Perplexity examples are disjoint blocks of the held-out stream as long as it holds
-    ``examples`` of them (:func:`_block_starts`).
+    ``examples`` of them (:func:`_block_starts`), each grouped with the others of the document most of its
+    tokens came from (:attr:`TaskExample.group`).
 
     Args:
         streams: token streams by name (see :func:`load_streams`), or their tokens.
@@ -198,7 +204,8 @@ def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.nda
     """
     kind, stream_name = TASKS[task]
     held_out = streams[stream_name]
-    stream = held_out.tokens if isinstance(held_out, HeldOutText) else held_out
+    text = held_out if isinstance(held_out, HeldOutText) else None  # with its documents
+    stream = text.tokens if text else held_out
     filler = stream.tolist() if kind != "ppl" else None
     block = context_length + continuation_length
     starts = _block_starts(len(stream), block, examples, seed, task) if kind == "ppl" else []
@@ -206,10 +213,11 @@ def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.nda
     for index in range(examples):
         rng = _rng(seed, task, index)
         if kind == "ppl":
-            ids = torch.from_numpy(stream[starts[index] : starts[index] + block].copy())
-            sources = (held_out.documents_between(starts[index], starts[index] + block)
-                       if isinstance(held_out, HeldOutText) else [])
-            built.append(TaskExample(task, ids[None], context_length, documents=tuple(sources)))
+            start, stop = starts[index], starts[index] + block
+            ids = torch.from_numpy(stream[start:stop].copy())
+            built.append(TaskExample(task, ids[None], context_length,
+                                     documents=tuple(text.documents_between(start, stop)) if text else (),
+                                     group=text.main_document(start, stop) if text else ""))
         elif kind == "passkey":
             grid = [(length, depth) for length in passkey_lengths for depth in passkey_depths]
             length, depth = grid[index % len(grid)]

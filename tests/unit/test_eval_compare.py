@@ -48,6 +48,25 @@ def test_the_command_prints_a_table_and_refuses_a_bad_pair(tmp_path, capsys):
         compare(str(tmp_path / "missing"), ["a..b"])
 
 
+def test_prefill_rows_are_resampled_by_the_groups_they_record():
+    grouped = results(36, 8)
+    for row in grouped["rows"]:  # every hit of "a" over "b" in the first 28 examples, four documents of ten
+        row["example_groups"] = [f"doc{index // 10}" for index in range(EXAMPLES)]
+    one_by_one, = compare_methods(results(36, 8), "a", "b")
+    by_document, = compare_methods(grouped, "a", "b")
+    assert by_document["difference"] == one_by_one["difference"]
+    width = [entry["interval"][1] - entry["interval"][0] for entry in (one_by_one, by_document)]
+    assert width[1] > 1.5 * width[0]
+
+
+@pytest.mark.parametrize(("content", "message"), [("{not json", "cannot read"), ('{"rows": []}', "needs rows"),
+                                                   ("[1, 2]", "needs rows")])
+def test_a_results_file_that_is_not_an_evals_is_one_error(tmp_path, content, message):
+    (tmp_path / "results.json").write_text(content)
+    with pytest.raises(CurKVError, match=message):
+        compare(str(tmp_path), ["a..b"])
+
+
 def stream_row(method: str, nll_per_token: float, setting: str = "0.5") -> dict:
     segments = 12
     nll = [nll_per_token * 100 + 0.5 * (index % 3) for index in range(segments)]

@@ -65,9 +65,16 @@ def test_end_to_end_with_a_fresh_scorer(tmp_path, capsys):
                 assert metrics["kv_bytes"] < full["kv_bytes"]
     assert rows[("full", 0.0, "ppl_text")]["ppl_increase_pct"] == 0.0
     assert {"accuracy@depth=0.2", "accuracy@depth=0.8", "accuracy@length=128"} <= set(rows[("h2o", 0.3, "passkey")])
+    for row in results["rows"]:  # perplexity examples are resampled by their document, synthetic ones alone
+        groups = row.get("example_groups")
+        if TASKS[row["task"]][0] == "ppl":
+            assert all(group in documents for group, documents in zip(groups, results["documents"][row["task"]]))
+        else:
+            assert groups is None
 
     markdown = (run / "results.md").read_text()
     assert "| curkv |" in markdown and "## repeated_span" in markdown and "**kv_bytes**" in markdown
+    assert "Perplexity examples are drawn by held-out document" in markdown
     for task in TASKS:
         png = run / "plots" / f"{task}__{results['main_metric'][task]}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

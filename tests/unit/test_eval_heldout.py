@@ -151,6 +151,24 @@ def test_perplexity_examples_are_disjoint_blocks_while_the_stream_holds_them():
     assert len(starts(12)) == 12  # beyond the disjoint blocks: random offsets
 
 
+def test_perplexity_examples_are_grouped_by_the_document_most_of_their_tokens_came_from():
+    from curkv_train.eval.heldout import HeldOutText
+    from curkv_train.eval.tasks import build_examples
+
+    owners = np.repeat([0, 1, 2], [150, 600, 250])  # a: tokens 0-149, b: 150-749, c: 750-999
+    stream = HeldOutText(np.arange(1000), "stdlib", 0.1, "default", 3, 3, 1000, 0, [], owners, ["a", "b", "c"])
+    built = build_examples("ppl_code", None, {"code": stream}, context_length=80, continuation_length=20,
+                           examples=10, seed=0, protected=(4, 16), passkey_depths=[0.5], passkey_lengths=[80])
+    groups = {int(example.input_ids[0, 0]): example.group for example in built}
+    # 100-199 and 700-799 hold 50 tokens of each of two documents: the first in stream order
+    assert groups == {0: "a", 100: "a", 200: "b", 300: "b", 400: "b", 500: "b", 600: "b", 700: "b", 800: "c",
+                      900: "c"}
+    assert {int(example.input_ids[0, 0]): example.documents for example in built}[100] == ("a", "b")
+    untracked = build_examples("ppl_code", None, {"code": np.arange(1000)}, context_length=80, continuation_length=20,
+                               examples=2, seed=0, protected=(4, 16), passkey_depths=[0.5], passkey_lengths=[80])
+    assert [example.group for example in untracked] == ["", ""]  # no documents: each example its own unit
+
+
 def test_a_scorer_without_a_recipe_keeps_its_default_sources_next_to_one_with_a_recipe():
     recorded = {"training": {"config": {"data": {"sources": [{"kind": "pydoc", "val_fraction": 0.5}]}}}}
     recipe = DataRecipe.of_scorers([recorded, {}])

@@ -217,3 +217,29 @@ def test_document_resampling_widens_a_difference_that_one_document_carries():
     by_document = paired_difference("ppl", "ppl_increase_pct", ours, theirs, full,
                                     bootstrap.weights(segments, "t", groups), bootstrap)
     assert by_document.high - by_document.low > 1.5 * (by_segment.high - by_segment.low)
+
+
+def test_the_verdict_resamples_the_groups_its_rows_record():
+    """The summary's paired interval of ours − best follows the rows' example_groups: the same rows with one
+    document carrying the whole gain tie by document where they win example by example."""
+    from curkv_train.eval.statistics import summarize
+
+    examples, groups = 60, [f"doc{index // 10}" for index in range(60)]
+    tokens = np.full(examples, 100.0)
+    nll = {"full": tokens * 2.0, "theirs": tokens * 2.02,
+           "ours": np.where(np.arange(examples) < 10, 1.90, 2.02) * tokens}
+
+    def row(method: str, ratio: float, grouped: bool) -> dict:
+        return {"method": method, "ratio": ratio, "task": "ppl_text", "metrics": {"ppl_increase_pct": 0.0},
+                "example_sums": {"nll": nll[method].tolist(), "tokens": tokens.tolist()},
+                **({"example_groups": groups} if grouped else {})}
+
+    def entry(grouped: bool) -> dict:
+        rows = [row("full", 0.0, grouped), row("ours", 0.5, grouped), row("theirs", 0.5, grouped)]
+        rows[1]["metrics"]["ppl_increase_pct"], rows[2]["metrics"]["ppl_increase_pct"] = -1.0, 1.0
+        return summarize(rows, {"ppl_text": "ppl_increase_pct"}, {"ppl_text": "ppl"}, Bootstrap(resamples=2000),
+                         ours="ours", reference="full")[0]
+
+    one_by_one, by_document = entry(False), entry(True)
+    assert one_by_one["verdict"] == "wins" and by_document["verdict"].startswith("ties")
+    assert one_by_one["difference"] == pytest.approx(by_document["difference"])

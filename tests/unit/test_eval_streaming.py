@@ -230,8 +230,8 @@ def test_evaluation_rows_summary_and_skipped_presses(model, scorer):
                               backend="torch", resamples=200)
     other = random_scorer(window=WINDOW, bias=1.0)
     methods, skipped = stream_methods(model, {CURKV: scorer, "curkv:b": other}, scorer, settings, main=CURKV)
-    documents = {"stream_code": [StreamDocument("stream_code", tokens(300, seed), (f"doc{seed}",))
-                                 for seed in range(2)]}
+    documents = {"stream_code": [StreamDocument("stream_code", tokens(300, seed), (f"file{seed % 2}",))
+                                 for seed in range(3)]}  # the first and the last cut from one file
     results = evaluate_streaming(model, documents, methods, settings, skipped, main=CURKV)
     rows = {(row["method"], row["setting"]): row for row in results["rows"]}
     assert {(CURKV, "0.5"), (RECENCY, "140 tokens"), ("curkv:b", "0.5"), (FULL, FULL),
@@ -241,7 +241,10 @@ def test_evaluation_rows_summary_and_skipped_presses(model, scorer):
     assert PRESS_PREFIX + "curkv" in results["skipped"]
     against = {(entry["setting"], entry["against"]) for entry in results["summary"]}
     assert ("0.5", "recency") in against and all(entry["method"] == CURKV for entry in results["summary"])
-    assert results["documents"]["stream_code"][1]["sources"] == ["doc1"]
+    assert results["documents"]["stream_code"][1]["sources"] == ["file1"]
+    groups = rows[(CURKV, "0.5")]["example_groups"]
+    per_document = len(groups) // 3
+    assert groups == ["file0"] * per_document + ["file1"] * per_document + ["file0"] * per_document  # by file
 
 
 def test_streaming_through_the_cli(tmp_path, capsys):
