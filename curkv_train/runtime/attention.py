@@ -92,6 +92,14 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
     setattr(module, LAYER_ATTRIBUTE, weakref.ref(layer))
 
 
+def refuse_padding(decoder: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook (``with_kwargs=True``) of the base model: a padded batch's 2D attention mask, refused
+    with one line when ``past_key_values`` is a CurKVCache, whatever the attention implementation (flash
+    attention keeps the 2D mask and flex attention a block mask, which the attention modules' check cannot read)."""
+    if isinstance(kwargs.get("past_key_values"), CurKVCache):
+        check_unpadded(kwargs.get("attention_mask"))
+
+
 def record_queries(projection: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
     """Forward hook of an attention module's query projection (``q_norm`` if it has one, else ``q_proj``):
     hands the layer recorded by :func:`record_cache_layer` the queries it just projected, pre-RoPE,
@@ -220,6 +228,9 @@ def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per
         raise CurKVError(f"attention implementation {implementation!r} builds one block mask for layer 0's length, "
                          "and a layer budget holds a different number of tokens in each layer: load the model with "
                          "attn_implementation='sdpa' or 'eager', or pass layer_budget='uniform'")
+    decoder = model.get_decoder()
+    if getattr(decoder, HOOK_ATTRIBUTE, None) is None:
+        setattr(decoder, HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(refuse_padding, with_kwargs=True))
     for module in attention_modules(model):
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(record_cache_layer, with_kwargs=True))

@@ -288,15 +288,63 @@ def test_crop_after_compression_is_rejected(model, scorer):
         cache.crop(100)
 
 
+def test_a_crop_frees_what_it_drops_and_counts_what_it_holds(model, scorer):
+    from curkv_train.runtime.buffer import buffer_of
+
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    with torch.no_grad():
+        model(prompt(30), past_key_values=cache)
+        for step in range(5):
+            model(prompt(1, step), past_key_values=cache)
+    cache.crop(20)
+    layer = cache.layers[0]
+    for name in ("keys", "values", "positions"):
+        assert buffer_of(layer, name).nbytes() == getattr(layer, name).untyped_storage().nbytes()
+    assert layer.keys.shape[-2] == 20
+
+
+def test_a_falling_keep_ratio_evicts_the_oldest_cold_tokens_not_the_warm_ones(model):
+    """The adaptive ratio falls from 0.5 to 0.3 past 4K tokens, below what the cold tier alone held: the oldest
+    cold tokens go, the cache holds ⌈0.3·n⌉ and keeps warm tokens (it held 1920 with none, the cold tier intact)."""
+    torch.manual_seed(0)
+    estimator = ValueEstimator(2, 2, 16, max_positions=8192)
+    with torch.no_grad():
+        estimator.key_weight.normal_()
+        estimator.position_weight.normal_()
+    cache = CurKVCache(Scorer(estimator, n_sink=4, window=16), model=model, keep_ratio="adaptive", cold=True,
+                       backend="torch")
+    with torch.no_grad():
+        model(prompt(3000), past_key_values=cache)
+        cold_before = cache.tier_sizes(0)["cold"]
+        for chunk in range(12):
+            model(prompt(100, chunk), past_key_values=cache)
+    sizes = cache.tier_sizes(0)
+    assert sizes["seen"] == 4200 and cold_before > math.ceil(0.3 * 4200) - 36
+    assert cache.held_tokens(0) == math.ceil(0.3 * 4200) and sizes["warm"] > 0
+
+
 def test_adaptive_keep_ratio_thresholds():
     from curkv_train.runtime.tiers import adaptive_keep_ratio
 
     assert [adaptive_keep_ratio(n) for n in (10, 1023, 1024, 4096, 4097)] == [1.0, 1.0, 0.5, 0.5, 0.3]
 
 
+def flash_mask_stand_in() -> str:
+    """An attention implementation with flash attention's mask function (a 2D padding mask, or none) that runs on
+    a CPU: what a flash-attention model hands the attention modules."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+    AttentionInterface.register("stand_in_2d_mask",
+                                lambda module, *args, **kwargs: sdpa_attention_forward(module, *args[:3], None, **kwargs))
+    AttentionMaskInterface.register("stand_in_2d_mask", flash_attention_mask)
+    return "stand_in_2d_mask"
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flash", "flex_attention"])
 def test_a_padded_batch_is_refused(scorer, implementation):
+    implementation = flash_mask_stand_in() if implementation == "flash" else implementation
     padded_model = load_base_model(TINY_RANDOM, attn_implementation=implementation)
     ids = prompt(40).expand(2, -1).clone()
     mask = torch.ones_like(ids)
