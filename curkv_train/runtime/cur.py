@@ -161,6 +161,18 @@ def reconstruct(factors: CurFactors) -> torch.Tensor:
     return matrix.to(factors.columns.dtype)
 
 
+def drop_leading(factors: CurFactors, count: int) -> CurFactors:
+    """The factors of M[..., count:, :]: C without its first ``count`` rows (U and R, the basis the rest is
+    written in, kept), exactly the remaining rows of C·U·R. The residual keeps its shape (the same entry count
+    for every head): entries of dropped tokens become 0 at index 0, the others move ``count`` rows up."""
+    columns = factors.columns[..., count:, :].clone()  # a copy: a view would keep the dropped rows' memory
+    if factors.residual_index is None:
+        return replace(factors, columns=columns)
+    index = factors.residual_index.long() - count * factors.rows.shape[-1]
+    return replace(factors, columns=columns, residual_values=factors.residual_values.masked_fill(index < 0, 0),
+                   residual_index=index.clamp_min(0).to(factors.residual_index.dtype))
+
+
 def residual_topk(matrix: torch.Tensor, approximation: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``count`` largest-magnitude entries of matrix − approximation, both (..., n, d).
 

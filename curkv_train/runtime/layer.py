@@ -144,7 +144,8 @@ class CurKVLayer(CacheLayerMixin):
 
     def _compression_due(self) -> bool:
         """Once a compression interval of tokens has piled up past the hot tier, however they arrived
-        (one at a time or in chunks: a stream fed in chunks compresses when generation would)."""
+        (one at a time or in chunks: after a first compression, a stream fed in chunks that divide the interval
+        compresses when generation would; docs/runtime.md)."""
         return self.n_hot - self.settings.hot_tokens >= self.settings.interval
 
     @torch.no_grad()
@@ -157,12 +158,25 @@ class CurKVLayer(CacheLayerMixin):
         self.compressible_seen += aged
         self.n_hot = settings.hot_tokens
         candidates = self.n_warm + aged
-        keep = max(0, settings.target(self.compressible_seen, self.seen, self.layer_idx) - self.cold_tokens)
+        target = settings.target(self.compressible_seen, self.seen, self.layer_idx)
+        self._drop_cold_beyond(target)
+        keep = max(0, target - self.cold_tokens)
         if keep < candidates:
             self._evict(candidates, keep)
         self.n_warm = min(keep, candidates)
         if settings.cold and settings.ratio(self.seen, self.layer_idx) < 1.0:
             self._spill_to_cold()
+
+    def _drop_cold_beyond(self, target: int) -> None:
+        """Evict the oldest cold tokens while the cold tier alone holds more than ``target`` compressible tokens
+        (the keep ratio fell: the adaptive one past 4K tokens): cold blocks are never re-scored, and left
+        in place they would hold more than ρ of the tokens seen and crowd every warm token out."""
+        while self.cold and self.cold_tokens > target:
+            excess, oldest = self.cold_tokens - target, self.cold[0]
+            if oldest.tokens <= excess:
+                self.cold.pop(0)
+            else:
+                self.cold[0] = ColdBlock(cur.drop_leading(oldest.keys, excess), cur.drop_leading(oldest.values, excess))
 
     def _evict(self, candidates: int, keep: int) -> None:
         """Keep the ``keep`` best of the ``candidates`` warm tokens per head (select_kept + compress_kv):
@@ -238,10 +252,11 @@ class CurKVLayer(CacheLayerMixin):
             raise CurKVError("a CurKVCache cannot be cropped after it compressed tokens; "
                              "use a fresh cache (assisted generation and cache rollback are not supported)")
         self.observer.crop(max_length)
-        self.keys, self.values = self.keys[..., :max_length, :], self.values[..., :max_length, :]
-        self.positions = self.positions[..., :max_length]
+        # copies, not views: a view would keep the whole earlier storage alive while nbytes() counted the view
+        self.keys, self.values = self.keys[..., :max_length, :].clone(), self.values[..., :max_length, :].clone()
+        self.positions = self.positions[..., :max_length].clone()
         if self.token_scores is not None:
-            self.token_scores = self.token_scores[..., :max_length]
+            self.token_scores = self.token_scores[..., :max_length].clone()
         self.seen = max_length
         self.n_sink_held = min(self.settings.n_sink, max_length)
         self.n_hot = max_length - self.n_sink_held

@@ -86,6 +86,17 @@ def test_residual_compensation_lowers_error_at_equal_bytes():
     assert relative_error(cur.compensate(base, matrix, 100), matrix) < relative_error(base, matrix)
 
 
+@pytest.mark.parametrize("residual", [0, 30])
+def test_dropping_leading_tokens_keeps_the_rest_exactly(residual):
+    matrix = torch.stack([spiky_matrix(), spiky_matrix() * 0.5])  # two heads: their residuals differ
+    factors = cur.cur_decompose(matrix, 4, 4)
+    factors = cur.compensate(factors, matrix, residual) if residual else factors
+    dropped = cur.drop_leading(factors, 100)
+    assert dropped.shape == (2, 156, 16)
+    torch.testing.assert_close(cur.reconstruct(dropped), cur.reconstruct(factors)[:, 100:], atol=1e-5, rtol=0)
+    assert cur.nbytes(dropped) < cur.nbytes(factors)
+
+
 def test_nbytes_counts_every_tensor_and_narrow_indices():
     matrix = spiky_matrix()
     factors = cur.compensate(cur.cur_decompose(matrix, 4, 8), matrix, 10)
