@@ -54,8 +54,9 @@ class LayerBudget:
         return len(self.sensitivity)
 
     def ratios(self, ratio: float) -> tuple[float, ...]:
-        """Per-layer keep ratios whose mean is ``ratio`` (each in [floor·ratio, 1])."""
-        return layer_keep_ratios(round(float(ratio), 6), self.sensitivity, self.exponent, self.floor)
+        """Per-layer keep ratios whose mean is ``ratio`` (each in [floor·ratio, 1]); not rounded: a ratio rounded up
+        is a token more than ⌈ρ·n⌉ kept, over a token budget's cap."""
+        return layer_keep_ratios(float(ratio), self.sensitivity, self.exponent, self.floor)
 
     def record(self) -> dict:
         """The budget as plain JSON values (scorer.json's ``layer_budget``)."""

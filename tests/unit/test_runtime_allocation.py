@@ -34,6 +34,23 @@ def test_exponent_zero_and_no_compression_are_uniform():
     assert LayerBudget((0.1, 5.0), 1.0).ratios(1.0) == (1.0, 1.0)
 
 
+def test_exponent_zero_keeps_the_uniform_count_and_a_token_cap():
+    """Every layer of an exponent-0 budget keeps what one ratio keeps, to the token, and no more than a token
+    budget's cap (a ratio rounded up, 62/256 to 0.242188, kept a 63rd token)."""
+    from curkv_train.runtime.tiers import TierSettings
+
+    def settings(budget: LayerBudget | None, max_tokens: int | None = None) -> TierSettings:
+        return TierSettings(0.5, 4, 64, 128, 0, False, 64, 16, 16, "optimal", False, 0.0, max_tokens, "torch", 0.5,
+                            128, budget)
+
+    flat = LayerBudget((0.1, 5.0), 0.0)
+    for seen in range(200, 3000, 7):
+        compressible = seen - 4 - 128
+        assert settings(flat).target(compressible, seen, 1) == settings(None).target(compressible, seen, 1)
+    capped = settings(flat, max_tokens=70 + 4 + 128 + 127)
+    assert max(capped.target(compressible, compressible + 132, 0) for compressible in range(100, 3000)) == 70
+
+
 def test_larger_exponents_concentrate_the_memory():
     mild, steep = (LayerBudget((0.1, 1.0, 4.0), exponent).ratios(0.5) for exponent in (0.5, 2.0))
     assert steep[2] > mild[2] and steep[0] <= mild[0] and steep[1] < mild[1]
