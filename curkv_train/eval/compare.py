@@ -28,7 +28,7 @@ def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     """(method, setting, task) -> (row, kind, metric, full row, bootstrap, groups) of a run's prefill rows
     (setting: the ratio; examples resampled by the row's ``example_groups``, one by one without) and streaming
     rows (setting: the memory setting's label; the metric is the perplexity increase; segments resampled by the
-    row's ``example_groups``, or by document in runs written before rows kept them)."""
+    row's ``example_groups``, by file, in runs written before rows kept them by their documents' lengths)."""
     cells = {}
     prefill = {(row["method"], row["ratio"], row["task"]): row for row in results["rows"]}
     bootstrap = Bootstrap(**results["bootstrap"])
@@ -40,6 +40,7 @@ def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     bootstrap = Bootstrap(**streaming["bootstrap"])
     for (method, setting, task), row in stream.items():
         groups = row.get("example_groups") or _document_of_segments(streaming, task, len(row["example_sums"]["nll"]))
+        groups = _file_of_documents(streaming, task, groups)
         cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)), bootstrap, groups)
     return cells
 
@@ -51,6 +52,15 @@ def _document_of_segments(streaming: dict, task: str, segments: int) -> list[int
               for document in (streaming.get("documents") or {}).get(task, [])]
     groups = [number for number, count in enumerate(counts) for _ in range(count)]
     return groups if len(groups) == segments else None
+
+
+def _file_of_documents(streaming: dict, task: str, groups: list | None) -> list | None:
+    """Segments labelled by document number (runs written before rows recorded files) relabelled by each
+    document's first source file, so that documents cut from one file are drawn together; other labels as they are."""
+    documents = (streaming.get("documents") or {}).get(task, [])
+    if not groups or not all(isinstance(group, int) and 0 <= group < len(documents) for group in groups):
+        return groups
+    return [(documents[group].get("sources") or [str(group)])[0] for group in groups]
 
 
 def _row_at(cells: dict, method: str, setting: str, task: str, full_row: dict | None) -> dict | None:

@@ -120,3 +120,12 @@ def test_streaming_rows_of_older_runs_are_resampled_by_the_documents_their_lengt
     run["streaming"].update(streaming)
     by_document = compare_methods(run, "a", "b")[0]["interval"]
     assert by_document != by_segment
+
+
+def test_documents_of_older_streaming_runs_are_drawn_by_their_file():
+    from curkv_train.eval.compare import _file_of_documents
+
+    streaming = {"documents": {"stream_text": [{"sources": ["news"]}, {"sources": ["todo"]}, {"sources": ["news"]}]}}
+    assert _file_of_documents(streaming, "stream_text", [0, 0, 1, 1, 2, 2]) == ["news"] * 2 + ["todo"] * 2 + ["news"] * 2
+    assert _file_of_documents(streaming, "stream_text", ["a", "b"]) == ["a", "b"]  # a newer run's files, as they are
+    assert _file_of_documents(streaming, "stream_text", [0, 5]) == [0, 5] and _file_of_documents({}, "t", None) is None
