@@ -18,6 +18,7 @@ ratio for every layer.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 
 from curkv_train.errors import CurKVError
@@ -44,7 +45,10 @@ class LayerBudget:
     def __post_init__(self) -> None:
         if not self.sensitivity:
             raise CurKVError("a layer budget needs one sensitivity per decoder layer, got none")
-        if self.exponent < 0 or not 0.0 <= self.floor <= 1.0:
+        if not all(math.isfinite(value) and value >= 0 for value in self.sensitivity):
+            raise CurKVError(f"a layer budget's sensitivities must be finite and >= 0 (perplexity losses in %), got "
+                             f"{[value for value in self.sensitivity if not (math.isfinite(value) and value >= 0)]}")
+        if not (math.isfinite(self.exponent) and self.exponent >= 0) or not 0.0 <= self.floor <= 1.0:
             raise CurKVError(f"a layer budget needs exponent >= 0 and floor in [0, 1], got exponent "
                              f"{self.exponent}, floor {self.floor}")
 

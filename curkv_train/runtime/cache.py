@@ -58,7 +58,7 @@ from curkv_train.runtime.allocation import LayerBudget, resolve_layer_budget
 from curkv_train.runtime.layer import CurKVLayer
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.scorer import Scorer
-from curkv_train.runtime.tiers import TierSettings
+from curkv_train.runtime.tiers import TierSettings, check_whole
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,7 @@ class CurKVCache(Cache):
         """Tokens per (layer, KV head) a budget of ``max_bytes`` for one sequence's cache pays for: all but one of
         the slots it pays for, the one the token that triggers a compression is written into before the
         compression replaces the tensors."""
+        check_whole("max_bytes", max_bytes)
         budget = (max_bytes - self.observation_bytes()) // self.bytes_per_token() - 1
         if budget < self.settings.fixed_tokens:
             raise CurKVError(f"max_bytes {max_bytes} pays for {max(budget, 0)} tokens per (layer, KV head), fewer than "

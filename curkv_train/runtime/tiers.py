@@ -3,6 +3,7 @@ and its cold blocks (CUR factors of keys and values)."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, check_recent_share, kept_count, share_of_compressible
@@ -16,6 +17,12 @@ def adaptive_keep_ratio(tokens: int) -> float:
     if tokens < 1024:
         return 1.0
     return 0.5 if tokens <= 4096 else 0.3
+
+
+def check_whole(name: str, value: object) -> None:
+    """A one-line CurKVError unless ``value`` (a budget in tokens or bytes) is None or a whole number."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise CurKVError(f"{name} must be a whole number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class TierSettings:
             raise CurKVError(f"compensation_ratio must be in [0, 1], got {self.compensation_ratio}")
         if self.cold_core not in cur.CORES:
             raise CurKVError(f"unknown cold_core {self.cold_core!r}; expected one of {', '.join(cur.CORES)}")
+        check_whole("max_tokens", self.max_tokens)
         if self.max_tokens is not None and self.kept_cap < 0:
             raise CurKVError(f"a budget of {self.max_tokens} tokens per (layer, KV head) is smaller than what every "
                              f"layer always holds: {self.fixed_tokens} (n_sink {self.n_sink} + hot tier "

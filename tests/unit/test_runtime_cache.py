@@ -442,3 +442,10 @@ def test_the_least_byte_budget_an_error_names_is_accepted(model, scorer):
     CurKVCache(scorer, model=model, max_bytes=least, backend="torch")
     with pytest.raises(CurKVError, match="give at least"):
         CurKVCache(scorer, model=model, max_bytes=least - 1, backend="torch")
+
+
+@pytest.mark.parametrize("budget", [{"max_tokens": 400.5}, {"max_bytes": 10.0**9}, {"max_tokens": True}])
+def test_a_budget_that_is_not_a_whole_number_is_refused(model, scorer, budget):
+    name, value = next(iter(budget.items()))
+    with pytest.raises(CurKVError, match=f"{name} must be a whole number, got {value!r}"):
+        CurKVCache(scorer, model=model, backend="torch", **budget)
