@@ -45,9 +45,9 @@ class LayerBudget:
     def __post_init__(self) -> None:
         if not self.sensitivity:
             raise CurKVError("a layer budget needs one sensitivity per decoder layer, got none")
-        if not all(math.isfinite(value) and value >= 0 for value in self.sensitivity):
-            raise CurKVError(f"a layer budget's sensitivities must be finite and >= 0 (perplexity losses in %), got "
-                             f"{[value for value in self.sensitivity if not (math.isfinite(value) and value >= 0)]}")
+        if not all(math.isfinite(value) for value in self.sensitivity):  # negative: a layer whose loss fell, kept
+            raise CurKVError("a layer budget's sensitivities must be finite (perplexity losses in %), got "
+                             f"{[value for value in self.sensitivity if not math.isfinite(value)]}")
         if not (math.isfinite(self.exponent) and self.exponent >= 0) or not 0.0 <= self.floor <= 1.0:
             raise CurKVError(f"a layer budget needs exponent >= 0 and floor in [0, 1], got exponent "
                              f"{self.exponent}, floor {self.floor}")
