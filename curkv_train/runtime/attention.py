@@ -85,7 +85,6 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
         # layer appended (under a layer budget layer 0 may hold fewer than the one that refuses)
         counts = [each.held_tokens for each in cache.layers] if module.layer_idx == 0 else [layer.held_tokens]
         check_within_window(cache.sliding_window, max(counts), hidden_states.shape[1])
-    check_unpadded(kwargs.get("attention_mask"))
     layer.observe_hidden(hidden_states)
     implementation = getattr(module.config, "_attn_implementation", None)
     layer.factored_attention = cache.factored_attention and is_factored(implementation)
@@ -95,7 +94,8 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
 def refuse_padding(decoder: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Forward pre-hook (``with_kwargs=True``) of the base model: a padded batch's 2D attention mask, refused
     with one line when ``past_key_values`` is a CurKVCache, whatever the attention implementation (flash
-    attention keeps the 2D mask and flex attention a block mask, which the attention modules' check cannot read)."""
+    attention keeps the 2D mask and flex attention a block mask): checked once per forward, before any layer,
+    rather than in every attention module's pre-hook."""
     if isinstance(kwargs.get("past_key_values"), CurKVCache):
         check_unpadded(kwargs.get("attention_mask"))
 
