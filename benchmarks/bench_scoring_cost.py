@@ -28,6 +28,8 @@ on the torch path where ``auto`` would take the fused Triton kernels (eager scor
 give what the kernels buy. ``--scorer-precision medium`` scores with bfloat16 operands in the query features'
 attention-sized products (``Scorer.matmul_precision``); the script then also prints how far those scores are from
 the ``highest`` ones on the same prefill (the kept half's overlap per (layer, KV head), and the largest logit change).
+It also prints the minor page faults scoring takes per prefill (pages it touched first, e.g. after the allocator
+handed freed memory back to the OS), to tell those apart from the operators' own cost.
 Timing hooks live in this script; the library carries none.
 """
 
@@ -51,7 +53,7 @@ from curkv_train.models.configs import load_model_config
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
 from curkv_train.runtime.layer import CurKVLayer
-from timing import TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
+from timing import FAULTS, TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
 
 
 @contextmanager
@@ -174,10 +176,11 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
     for _ in range(repeats + 1):
         plain_s, cached_s = seconds(plain), seconds(cached)
         TIMERS.clear()
+        FAULTS.clear()
         with instrumented():  # apart: the timers wait for the GPU, which an uninstrumented prefill overlaps
             cached()
         parts = {"observe": TIMERS["observe"], "score": TIMERS["score"], "select": TIMERS["evict"] - TIMERS["score"]}
-        rounds.append({"plain": plain_s, "cached": cached_s, **parts})
+        rounds.append({"plain": plain_s, "cached": cached_s, **parts, "score_faults": FAULTS["score"]})
     rounds = rounds[1:]  # the warm-up round
     plain_s = statistics.median([r["plain"] for r in rounds])
     parts = {k: statistics.median([r[k] for r in rounds]) for k in ("observe", "score", "select")}
@@ -188,6 +191,7 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
             **{f"{k}_s": round(v, 4) for k, v in parts.items()},
             **{f"{k}_share": round(statistics.median(shares[k]), 4) for k in parts},
             "score_share_range": [round(f(shares["score"]), 4) for f in (min, max)],
+            "score_page_faults": int(statistics.median([r["score_faults"] for r in rounds])),
             "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
@@ -240,7 +244,8 @@ def main() -> None:
           f"{product_ms(args.device):.2f} ms")
     for row in rows:
         low, high = row["score_share_range"]
-        print(f"{row['context']:>8}: score share per round {low:.1%} to {high:.1%}")
+        print(f"{row['context']:>8}: score share per round {low:.1%} to {high:.1%}; "
+              f"{row['score_page_faults']} page faults scoring a prefill")
     for row in rows:
         print(json.dumps(row))
 
