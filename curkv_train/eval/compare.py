@@ -7,6 +7,8 @@ perplexity examples by held-out document, synthetic ones one by one, streaming s
 before rows recorded their groups resample prefill examples one by one)::
 
     curkv-train compare --run runs/eval-ablation --pairs "curkv:query_aware_dense..curkv:query_aware"
+
+``--metric kl`` (any metric the rows' per-example sums give) compares that instead of each task's main metric.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from curkv_train.errors import CurKVError
 from curkv_train.eval.cli import NameList
+from curkv_train.eval.metrics import finalize, total
 from curkv_train.eval.statistics import Bootstrap, example_sums, paired_difference, verdict
 from curkv_train.eval.stream_rows import FULL
 from curkv_train.eval.streaming import MAIN_METRIC as STREAM_METRIC
@@ -69,8 +72,9 @@ def _row_at(cells: dict, method: str, setting: str, task: str, full_row: dict | 
     return cell[0] if cell else (full_row if method == FULL else None)
 
 
-def compare_methods(results: dict, first: str, second: str) -> list[dict]:
-    """Per (task, setting) where both methods have rows: ``first`` − ``second`` on the task's main metric.
+def compare_methods(results: dict, first: str, second: str, metric: str | None = None) -> list[dict]:
+    """Per (task, setting) where both methods have rows: ``first`` − ``second`` on the task's main metric, or on
+    ``metric`` where the rows' per-example sums give it.
 
     The full cache (``full``) is the reference of every setting, so it pairs with a method at each of
     that method's settings.
@@ -85,7 +89,8 @@ def compare_methods(results: dict, first: str, second: str) -> list[dict]:
         difference, its interval and the verdict (``wins`` means ``first`` is better).
 
     Raises:
-        CurKVError: a method not in the run, or two methods that share no (task, setting).
+        CurKVError: a method not in the run, two methods that share no (task, setting), or a ``metric`` none of
+            the rows can be compared on.
     """
     cells = _cells(results)
     known = {method for method, _, _ in cells}
@@ -94,19 +99,26 @@ def compare_methods(results: dict, first: str, second: str) -> list[dict]:
         raise CurKVError(f"method(s) {', '.join(map(repr, missing))} not in this run; it has: {', '.join(sorted(known))}")
     anchor = second if first == FULL else first
     entries = []
+    comparable = set()  # the metrics the anchor's rows can be resampled on
     for (method, setting, task), (row, kind, name, full_row, bootstrap, groups) in cells.items():
         if method != anchor:
             continue
+        full = example_sums(full_row) if full_row else None
+        metrics = finalize(kind, total(example_sums(row)), total(full) if full else None)
+        comparable |= metrics.keys()
+        name = metric or name
         rows = {method: _row_at(cells, method, setting, task, full_row) for method in (first, second)}
-        if None in rows.values():
+        if None in rows.values() or name not in metrics:
             continue
         ours = example_sums(rows[first])
         weights = bootstrap.weights(len(next(iter(ours.values()))), task, groups)
-        difference = paired_difference(kind, name, ours, example_sums(rows[second]),
-                                       example_sums(full_row) if full_row else None, weights, bootstrap)
+        difference = paired_difference(kind, name, ours, example_sums(rows[second]), full, weights, bootstrap)
         entries.append({"task": task, "setting": setting, "metric": name, first: rows[first]["metrics"][name],
                         second: rows[second]["metrics"][name], "difference": difference.point,
                         "interval": [difference.low, difference.high], "verdict": verdict(difference, name)})
+    if not entries and metric not in comparable | {None}:
+        raise CurKVError(f"no row of {anchor!r} can be compared on {metric!r}; its rows can on: "
+                         f"{', '.join(sorted(comparable))}")
     if not entries:
         settings = {method: sorted({setting for other, setting, _ in cells if other == method}) for method in (first, second)}
         raise CurKVError(f"{first!r} and {second!r} share no task and setting in this run ({first}: "
@@ -114,19 +126,21 @@ def compare_methods(results: dict, first: str, second: str) -> list[dict]:
     return entries
 
 
-def comparison_markdown(run: str, pairs: list[str]) -> str:
-    """A markdown table of :func:`compare_methods` for each ``A..B`` of ``pairs`` over the run folder ``run``."""
+def comparison_markdown(run: str, pairs: list[str], metric: str | None = None) -> str:
+    """A markdown table of :func:`compare_methods` (on ``metric`` if given) for each ``A..B`` of ``pairs`` over the
+    run folder ``run``."""
     results = _read_results(Path(run) / "results.json")
-    lines = ["| A | B | task | setting | A | B | A − B [95 %] | verdict for A |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| A | B | task | setting | metric | A | B | A − B [95 %] | verdict for A |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for pair in pairs:
         first, separator, second = pair.partition(SEPARATOR)
         if not separator or not first or not second:
             raise CurKVError(f"a pair is METHOD{SEPARATOR}METHOD, got {pair!r}")
-        for entry in compare_methods(results, first, second):
+        for entry in compare_methods(results, first, second, metric):
             low, high = entry["interval"]
-            lines.append(f"| {first} | {second} | {entry['task']} | {entry['setting']} | {entry[first]:.4g} | "
-                         f"{entry[second]:.4g} | {entry['difference']:+.3g} [{low:+.3g}, {high:+.3g}] | "
-                         f"{entry['verdict']} |")
+            lines.append(f"| {first} | {second} | {entry['task']} | {entry['setting']} | {entry['metric']} | "
+                         f"{entry[first]:.4g} | {entry[second]:.4g} | {entry['difference']:+.3g} [{low:+.3g}, "
+                         f"{high:+.3g}] | {entry['verdict']} |")
     return "\n".join(lines)
 
 
@@ -142,15 +156,17 @@ def _read_results(path: Path) -> dict:
     return results
 
 
-def compare(run: str, pairs: NameList) -> None:
+def compare(run: str, pairs: NameList, metric: str | None = None) -> None:
     """Print paired differences between methods of one evaluation run (a markdown table).
 
     Args:
         run: the evaluation's run folder (its results.json).
         pairs: comma-separated METHOD..METHOD pairs, e.g. ``curkv..curkv:untrained``; a verdict
             "wins" means the first is better (its 95 % paired bootstrap interval excludes 0).
+        metric: compare this metric (e.g. ``kl``, which every task reports) where the rows' per-example sums give
+            it, instead of each task's main metric.
     """
     path = Path(run) / "results.json"
     if not path.is_file():
         raise CurKVError(f"no results.json in {run!r}; pass the run folder of a curkv-train eval")
-    print(comparison_markdown(run, list(pairs)))
+    print(comparison_markdown(run, list(pairs), metric))

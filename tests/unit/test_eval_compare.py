@@ -41,7 +41,7 @@ def test_a_method_not_in_the_run_is_named_in_one_error():
 def test_the_command_prints_a_table_and_refuses_a_bad_pair(tmp_path, capsys):
     (tmp_path / "results.json").write_text(json.dumps(results(36, 8)))
     compare(str(tmp_path), ["a..b"])
-    assert "| a | b | passkey | 0.5 | 0.9 | 0.2 | +0.7" in capsys.readouterr().out
+    assert "| a | b | passkey | 0.5 | accuracy | 0.9 | 0.2 | +0.7" in capsys.readouterr().out
     with pytest.raises(CurKVError, match="METHOD..METHOD"):
         compare(str(tmp_path), ["a-b"])
     with pytest.raises(CurKVError, match="no results.json"):
@@ -57,6 +57,31 @@ def test_prefill_rows_are_resampled_by_the_groups_they_record():
     assert by_document["difference"] == one_by_one["difference"]
     width = [entry["interval"][1] - entry["interval"][0] for entry in (one_by_one, by_document)]
     assert width[1] > 1.5 * width[0]
+
+
+def ppl_row(method: str, nll: list[float], kl: list[float], ratio: float = 0.5) -> dict:
+    """A perplexity row of len(nll) examples of 100 tokens each (the metrics shown are not recomputed)."""
+    count = len(nll)
+    return {"method": method, "ratio": ratio, "task": "ppl_text",
+            "metrics": {"ppl_increase_pct": 0.0, "kl": sum(kl) / (100 * count)},
+            "example_sums": {"examples": [1.0] * count, "tokens": [100.0] * count, "nll": nll, "kl": kl}}
+
+
+def test_another_metric_than_the_main_one_is_compared_where_rows_carry_it(tmp_path, capsys):
+    """Equal perplexity, a's KL half of b's on every example: a tie on the main metric, a win on kl."""
+    nll, kl = [200.0 + index for index in range(EXAMPLES)], [1.0 + 0.1 * index for index in range(EXAMPLES)]
+    run = {"rows": [ppl_row("full", nll, [0.0] * EXAMPLES, ratio=0.0), ppl_row("a", nll, [value / 2 for value in kl]),
+                    ppl_row("b", nll, kl)],
+           "main_metric": {"ppl_text": "ppl_increase_pct"}, "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0}}
+    assert compare_methods(run, "a", "b")[0]["verdict"].startswith("ties")
+    entry, = compare_methods(run, "a", "b", metric="kl")
+    assert entry["metric"] == "kl" and entry["verdict"] == "wins"
+    assert entry["difference"] == pytest.approx(-sum(kl) / (2 * 100 * EXAMPLES))
+    (tmp_path / "results.json").write_text(json.dumps(run))
+    compare(str(tmp_path), ["a..b"], metric="kl")
+    assert "| a | b | ppl_text | 0.5 | kl |" in capsys.readouterr().out
+    with pytest.raises(CurKVError, match="no row of 'a' can be compared on 'accuracy'; its rows can on: .*kl, kv_bytes, ppl, ppl_increase_pct$"):
+        compare_methods(run, "a", "b", metric="accuracy")
 
 
 @pytest.mark.parametrize(("content", "message"), [("{not json", "cannot read"), ('{"rows": []}', "needs rows"),
