@@ -99,16 +99,19 @@ def compare_methods(results: dict, first: str, second: str, metric: str | None =
         raise CurKVError(f"method(s) {', '.join(map(repr, missing))} not in this run; it has: {', '.join(sorted(known))}")
     anchor = second if first == FULL else first
     entries = []
-    comparable = set()  # the metrics the anchor's rows can be resampled on
+    comparable = set()  # with ``metric``: the metrics the anchor's rows can be resampled on
     for (method, setting, task), (row, kind, name, full_row, bootstrap, groups) in cells.items():
         if method != anchor:
             continue
         full = example_sums(full_row) if full_row else None
-        metrics = finalize(kind, total(example_sums(row)), total(full) if full else None)
-        comparable |= metrics.keys()
-        name = metric or name
+        if metric:  # every row gives its main metric; another only where its kind's sums do
+            given = finalize(kind, total(example_sums(row)), total(full) if full else None).keys()
+            comparable |= given
+            if metric not in given:
+                continue
+            name = metric
         rows = {method: _row_at(cells, method, setting, task, full_row) for method in (first, second)}
-        if None in rows.values() or name not in metrics:
+        if None in rows.values():
             continue
         ours = example_sums(rows[first])
         weights = bootstrap.weights(len(next(iter(ours.values()))), task, groups)
@@ -116,7 +119,7 @@ def compare_methods(results: dict, first: str, second: str, metric: str | None =
         entries.append({"task": task, "setting": setting, "metric": name, first: rows[first]["metrics"][name],
                         second: rows[second]["metrics"][name], "difference": difference.point,
                         "interval": [difference.low, difference.high], "verdict": verdict(difference, name)})
-    if not entries and metric not in comparable | {None}:
+    if not entries and metric and metric not in comparable:
         raise CurKVError(f"no row of {anchor!r} can be compared on {metric!r}; its rows can on: "
                          f"{', '.join(sorted(comparable))}")
     if not entries:
