@@ -18,15 +18,17 @@ def random_scorer(n_sink: int = 4, window: int = 16, bias: float | None = None) 
     return Scorer(estimator, n_sink=n_sink, window=window)
 
 
-def family_scorer(family: str, key_view: str = "pre_rope", n_sink: int = 4, window: int = 16) -> Scorer:
-    """A scorer of ``family`` for the tiny Llama whose every term is random (no term is silently zero)."""
+def family_scorer(family: str, key_view: str = "pre_rope", n_sink: int = 4, window: int = 16,
+                  **options) -> Scorer:
+    """A scorer of ``family`` for the tiny Llama whose every term is random (no term is silently zero);
+    ``options``: the family's other constructor arguments."""
     from curkv_train.core.shapes import KVShape
     from curkv_train.models.estimators import build_estimator
 
     torch.manual_seed(1)
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, num_attention_heads=4, max_positions=2048,
                     hidden_size=64)
-    options = {"observation_window": 8} if family == "query_aware" else {}
+    options = {"observation_window": 8, **options} if family == "query_aware" else options
     estimator = build_estimator(family, shape, **options)
     with torch.no_grad():
         for parameter in estimator.parameters():

@@ -48,7 +48,7 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
                    positions: torch.Tensor, end: int, observation: Observation, *,
                    future_positions: int = 512, pool_kernel: int = 5, gram: torch.Tensor | None = None,
                    rotation: torch.Tensor | None = None, backend: str = "auto",
-                   matmul_precision: str = "highest") -> torch.Tensor:
+                   matmul_precision: str = "highest", names: tuple[str, ...] = QUERY_FEATURES) -> torch.Tensor:
     """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
 
     Args:
@@ -73,37 +73,72 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
             (float32) or ``medium`` (bfloat16 operands, float32 after: ~2.5x faster on a CPU with bf16
             instructions; the shipped scorer's logits move by up to 0.14, docs/runtime.md). The Triton kernels
             ignore it.
+        names: which features, a subset of :data:`QUERY_FEATURES` in its order (:func:`check_feature_names`);
+            the torch path computes only those (the window attention is most of the cost, ‖W_O v‖ the next).
 
     Returns:
-        (batch, kv_heads, tokens, len(QUERY_FEATURES)) float32.
+        (batch, kv_heads, tokens, len(names)) float32.
     """
     check_matmul_precision(matmul_precision)
+    check_feature_names(names)
+    kernels = feature_backend(backend, keys, values) == "triton"
+    parts = _attention_sized_parts(model, module, keys, values, positions, end, observation, future_positions, gram,
+                                   rotation, matmul_precision, names if not kernels else QUERY_FEATURES, kernels)
+    features = torch.stack([_finish(name, parts.get(name), values, pool_kernel) for name in names], dim=-1)
+    return features - features.mean(dim=2, keepdim=True)
+
+
+def check_feature_names(names: tuple[str, ...] | list[str]) -> None:
+    """A one-line CurKVError unless ``names`` is a non-empty subset of :data:`QUERY_FEATURES`, in its order."""
+    unknown = [name for name in names if name not in QUERY_FEATURES]
+    if unknown or not names:
+        raise CurKVError(f"unknown query features {unknown or 'none given'}; expected a subset of "
+                         f"{', '.join(QUERY_FEATURES)}")
+    if list(names) != [name for name in QUERY_FEATURES if name in names]:
+        raise CurKVError(f"query features {list(names)} must be distinct and in the order {', '.join(QUERY_FEATURES)}")
+
+
+def _attention_sized_parts(model, module, keys, values, positions, end, observation, future_positions, gram, rotation,
+                           precision, names, kernels) -> dict[str, torch.Tensor]:
+    """What the ``names`` features need, keyed by feature: the window's mass (b, h, n), the expected attention's
+    logits (b, h, g, n), ‖W_O v‖ (b, h, n); by the fused Triton kernels (``kernels``: all three in one pass) or
+    :func:`window_mass`, :func:`expected_logits` and :func:`output_norms`, only those asked for."""
     kv_heads, dim = keys.shape[1], keys.shape[3]
     group = observation.queries.shape[1] // kv_heads
     scale = getattr(module, "scaling", dim**-0.5)
-    gram = output_gram(module, kv_heads, group) if gram is None else gram
-    queries = window_queries(model, observation.queries.float(), observation.positions, kv_heads, scale)
-    query_positions = observation.positions.to(keys.device)
-    if rotation is None:
-        rotation = future_rotation(model, end, future_positions, keys.shape[-1], keys)
-    mean, covariance = future_moments(observation.statistics, rotation, kv_heads, keys)
-    positions = positions.to(keys.device)
-    if feature_backend(backend, keys, values) == "triton":
+    positions, query_positions = positions.to(keys.device), observation.positions.to(keys.device)
+    if "window_attention" in names:
+        queries = window_queries(model, observation.queries.float(), observation.positions, kv_heads, scale)
+    if "expected_attention" in names:
+        rotation = future_rotation(model, end, future_positions, dim, keys) if rotation is None else rotation
+        mean, covariance = future_moments(observation.statistics, rotation, kv_heads, keys)
+    if kernels:
         from curkv_train.kernels.query_features_triton import query_feature_parts_triton
 
-        mass, expected, output = query_feature_parts_triton(queries, query_positions, keys, positions, values,
-                                                             mean, covariance, gram, scale)
-    else:
-        float_keys = keys.float()
-        mass = window_mass(queries, float_keys, positions, query_positions, matmul_precision)
-        expected = expected_logits(mean, covariance, float_keys, scale, matmul_precision)
-        output = output_norms(module, values, group, gram, matmul_precision)
-    window = _log_share(F.avg_pool1d(mass, pool_kernel, stride=1, padding=pool_kernel // 2))
-    expected = _log_share(expected.softmax(dim=-1).mean(dim=2))
-    value_norm = values.float().norm(dim=-1).clamp_min(EPSILON).log()
-    output_norm = output.clamp_min(EPSILON).log()
-    features = torch.stack([window, expected, value_norm, output_norm], dim=-1)
-    return features - features.mean(dim=2, keepdim=True)
+        gram = output_gram(module, kv_heads, group) if gram is None else gram
+        parts = query_feature_parts_triton(queries, query_positions, keys, positions, values, mean, covariance, gram,
+                                           scale)
+        return dict(zip(("window_attention", "expected_attention", "output_norm"), parts))
+    float_keys, parts = keys.float(), {}
+    if "window_attention" in names:
+        parts["window_attention"] = window_mass(queries, float_keys, positions, query_positions, precision)
+    if "expected_attention" in names:
+        parts["expected_attention"] = expected_logits(mean, covariance, float_keys, scale, precision)
+    if "output_norm" in names:
+        parts["output_norm"] = output_norms(module, values, group, gram, precision)
+    return parts
+
+
+def _finish(name: str, part: torch.Tensor | None, values: torch.Tensor, pool_kernel: int) -> torch.Tensor:
+    """Feature ``name`` (batch, kv_heads, tokens) from its attention-sized part (:func:`_attention_sized_parts`;
+    ``value_norm`` has none): the log shares of the two attentions, the log norms."""
+    if name == "window_attention":
+        return _log_share(F.avg_pool1d(part, pool_kernel, stride=1, padding=pool_kernel // 2))
+    if name == "expected_attention":
+        return _log_share(part.softmax(dim=-1).mean(dim=2))
+    if name == "value_norm":
+        return values.float().norm(dim=-1).clamp_min(EPSILON).log()
+    return part.clamp_min(EPSILON).log()
 
 
 def feature_backend(backend: str, keys: torch.Tensor, values: torch.Tensor) -> str:

@@ -45,6 +45,13 @@ def test_keep_ratio_outside_unit_interval(ratio, capsys):
                           "keep_ratio must be in (0, 1]")
 
 
+def test_unknown_query_feature(tmp_path, capsys):
+    code = main(["fit", "--recipe", "tiny-debug", "--model.estimator=query_aware",
+                 "--model.estimator_options={features: [window_attention, key_norm]}",
+                 f"--trainer.default_root_dir={tmp_path}"])
+    assert_one_line_error(capsys, code, "unknown query features ['key_norm']")
+
+
 def test_context_shorter_than_sinks_and_window(capsys):
     code = main(["fit", "--recipe", "tiny-debug", "--data.context_length=20"])
     assert_one_line_error(capsys, code, "must exceed n_sink + window")

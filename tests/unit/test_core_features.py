@@ -90,3 +90,26 @@ def test_medium_precision_products_are_bfloat16_operand_products():
 def test_unknown_matmul_precision_is_one_line_error():
     with pytest.raises(CurKVError, match="unknown matmul precision 'low'; expected highest or medium"):
         features.check_matmul_precision("low")
+
+
+def test_a_subset_of_the_features_is_those_columns_and_computes_only_what_they_need(model, monkeypatch):
+    from curkv_train.core.observation import Observation, QueryStatistics
+
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, heads = model.config.num_key_value_heads, model.config.num_attention_heads
+    dim = model.config.hidden_size // heads
+    keys, values = torch.randn(2, 1, kv_heads, 29, dim, generator=gen)
+    queries = torch.randn(1, heads, 40, dim, generator=gen)
+    observation = Observation(queries[:, :, -8:], torch.arange(21, 29), QueryStatistics.of(queries))
+    module = model.model.layers[1].self_attn
+    every = features.query_features(model, module, keys, values, torch.arange(29), 29, observation)
+    assert every.shape[-1] == len(features.QUERY_FEATURES)
+
+    def not_needed(*args, **kwargs):
+        raise AssertionError("computed a part no asked feature needs")
+
+    monkeypatch.setattr(features, "window_mass", not_needed)
+    monkeypatch.setattr(features, "output_norms", not_needed)
+    lean = features.query_features(model, module, keys, values, torch.arange(29), 29, observation,
+                                   names=("expected_attention", "value_norm"))
+    torch.testing.assert_close(lean, every[..., 1:3], rtol=1e-5, atol=1e-6)  # the centring sums in another order

@@ -199,3 +199,45 @@ def test_unknown_scorer_precision_is_refused(model):
 
     with pytest.raises(CurKVError, match="unknown matmul precision 'bf16'"):
         CurKVPress(scorer=scorer, compression_ratio=0.5, scorer_precision="bf16")
+
+
+LEAN = ["expected_attention", "value_norm"]
+
+
+def test_a_scorer_of_fewer_query_features_scores_alike_everywhere_and_keeps_them_through_export(model, ids,
+                                                                                               tmp_path):
+    from curkv_train.runtime import load_scorer, save_scorer
+
+    scorer = family_scorer("query_aware", features=LEAN)
+    assert scorer.estimator.feature_weight.shape[-1] == 2
+    trained = training_logits(scorer, ids)
+    torch.testing.assert_close(cache_logits(scorer, model, ids), trained, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(press_logits(scorer, model, ids), trained, atol=1e-4, rtol=1e-4)
+    loaded = load_scorer(save_scorer(scorer, tmp_path / "lean"))
+    assert loaded.estimator.features == tuple(LEAN) and loaded.estimator.config()["features"] == LEAN
+
+
+def test_a_scorer_json_without_features_loads_with_all_four(tmp_path):
+    import json
+
+    from curkv_train.core.features import QUERY_FEATURES
+    from curkv_train.runtime import load_scorer, save_scorer
+    from curkv_train.runtime.serialization import CONFIG_FILE
+
+    folder = save_scorer(family_scorer("query_aware"), tmp_path / "old")
+    record = json.loads((folder / CONFIG_FILE).read_text())
+    del record["estimator"]["config"]["features"]  # as scorers exported before the option recorded it
+    (folder / CONFIG_FILE).write_text(json.dumps(record))
+    assert load_scorer(folder).estimator.features == QUERY_FEATURES
+
+
+@pytest.mark.parametrize(("features", "message"), [
+    (["window_attention", "key_norm"], "unknown query features \\['key_norm'\\]"),
+    ([], "unknown query features none given"),
+    (["value_norm", "expected_attention"], "must be distinct and in the order"),
+    (["window_attention", "value_norm"], "init_rule 'expected_attention' weighs the query features "
+                                         "\\['expected_attention'\\]"),
+])
+def test_bad_feature_lists_are_refused_with_one_line(features, message):
+    with pytest.raises(CurKVError, match=message):
+        build_estimator("query_aware", kv_shape(load_base_model(TINY_RANDOM).config), features=features)
