@@ -1,0 +1,29 @@
+"""Every shipped scorer loads and is what its recipe of the same name trains: its family and estimator options."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from curkv_train.recipes import recipe_dir
+from curkv_train.runtime import load_scorer
+
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+SHIPPED = sorted(folder.name for folder in CHECKPOINTS.iterdir() if (folder / "scorer.json").is_file())
+
+
+def test_the_shipped_scorers_are_found():
+    assert {"smollm2-135m", "smollm2-135m-lean", "smollm2-135m-runtime"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_scorer_carries_its_recipes_estimator(name):
+    model = yaml.safe_load((recipe_dir() / f"{name}.yaml").read_text())["model"]
+    estimator = json.loads((CHECKPOINTS / name / "scorer.json").read_text())["estimator"]
+    assert estimator["family"] == model["estimator"]
+    options = model.get("estimator_options") or {}
+    assert {option: estimator["config"].get(option) for option in options} == options
+    loaded = load_scorer(CHECKPOINTS / name)  # the weights fit that estimator
+    assert loaded.family == model["estimator"]
+    assert {option: loaded.estimator.config()[option] for option in options} == options
