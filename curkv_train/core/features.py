@@ -83,7 +83,7 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
     check_feature_names(names)
     kernels = feature_backend(backend, keys, values) == "triton"
     parts = _attention_sized_parts(model, module, keys, values, positions, end, observation, future_positions, gram,
-                                   rotation, matmul_precision, names if not kernels else QUERY_FEATURES, kernels)
+                                   rotation, matmul_precision, names, kernels)
     features = torch.stack([_finish(name, parts.get(name), values, pool_kernel) for name in names], dim=-1)
     return features - features.mean(dim=2, keepdim=True)
 
@@ -103,6 +103,7 @@ def _attention_sized_parts(model, module, keys, values, positions, end, observat
     """What the ``names`` features need, keyed by feature: the window's mass (b, h, n), the expected attention's
     logits (b, h, g, n), ‖W_O v‖ (b, h, n); by the fused Triton kernels (``kernels``: all three in one pass) or
     :func:`window_mass`, :func:`expected_logits` and :func:`output_norms`, only those asked for."""
+    names = QUERY_FEATURES if kernels else names  # the kernels' inputs are every part's
     kv_heads, dim = keys.shape[1], keys.shape[3]
     group = observation.queries.shape[1] // kv_heads
     scale = getattr(module, "scaling", dim**-0.5)
