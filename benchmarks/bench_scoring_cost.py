@@ -23,8 +23,8 @@ timers (on a GPU those wait for the device at every part, so the parts are upper
 and the overhead is what a prefill that overlaps them pays). ``--compile`` scores through
 ``Scorer.compiled()``, compiled by the warm-up prefill. ``--skip-features window_attention,output_norm``
 replaces those query features by constants in this process: what scoring would cost without them (timing only: the
-scores are then no trained scorer's; a scorer trained with the estimator option ``features``, e.g.
-``--scorer smollm2-135m-lean``, computes only its own). ``--feature-backend torch`` keeps the query features'
+scores are then no trained scorer's; a scorer trained with the estimator option ``features``, e.g. the shipped
+``smollm2-135m``, computes only its own; ``--scorer smollm2-135m-four-features`` computes all four). ``--feature-backend torch`` keeps the query features'
 attention-sized parts on the torch path where ``auto`` would take the fused Triton kernels (eager scoring on CUDA): the two side by side
 give what the kernels buy. ``--scorer-precision medium`` scores with bfloat16 operands in the query features'
 attention-sized products (``Scorer.matmul_precision``); the script then also prints how far those scores are from

@@ -14,7 +14,7 @@ SHIPPED = sorted(folder.name for folder in CHECKPOINTS.iterdir() if (folder / "s
 
 
 def test_the_shipped_scorers_are_found():
-    assert {"smollm2-135m", "smollm2-135m-lean", "smollm2-135m-runtime"} <= set(SHIPPED)
+    assert {"smollm2-135m", "smollm2-135m-four-features", "smollm2-135m-runtime"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
