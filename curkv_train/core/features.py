@@ -253,10 +253,15 @@ def expected_logits(mean: torch.Tensor, covariance: torch.Tensor, keys: torch.Te
                     precision: str = "highest") -> torch.Tensor:
     """s·μ'·k_j + ½·s²·k_jᵀΣ'k_j for every query head's Gaussian (:func:`future_moments`) and key:
     (batch, kv_heads, g, tokens); its softmax over tokens is the expected attention. ``precision``: of
-    the quadratic form's (tokens × head_dim²) product (:func:`product`)."""
-    linear = torch.einsum("bhgd,bhnd->bhgn", mean, keys) * scale
-    quadratic = (product(keys[:, :, None], covariance, precision) * keys[:, :, None]).sum(dim=-1)
-    return linear + 0.5 * scale**2 * quadratic
+    the (tokens × head_dim by head_dim × g·head_dim) product (:func:`product`).
+
+    Computed as k_jᵀ(½·s²·Σ'k_j + s·μ'): one product of the keys with the KV head's g matrices side by side,
+    the linear term added to it, then a dot with the key (broadcasting the keys into the product instead
+    copied them g times, and cost twice this)."""
+    batch, kv_heads, group, dim = mean.shape
+    weights = (0.5 * scale**2 * covariance).transpose(2, 3).reshape(batch, kv_heads, dim, group * dim)
+    projected = product(keys, weights, precision).add_((scale * mean).reshape(batch, kv_heads, 1, group * dim))
+    return torch.einsum("bhngd,bhnd->bhgn", projected.view(batch, kv_heads, -1, group, dim), keys)
 
 
 def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,

@@ -71,8 +71,10 @@ class QueryStatistics:
         mean = self.mean()
         head_dim = mean.shape[-1]
         # the index comes from update, not packing(): a compiled scorer traces this, and would trace the cache
-        second = self.outer[..., self.square].unflatten(-1, (head_dim, head_dim))
-        return second / max(self.count, 1) - mean[..., :, None] * mean[..., None, :]
+        second = self.outer[..., self.square].view(-1, head_dim, head_dim)
+        flat = mean.reshape(-1, head_dim, 1)  # second / count − mean·meanᵀ in one operator
+        covariance = torch.baddbmm(second, flat, flat.transpose(1, 2), beta=1 / max(self.count, 1), alpha=-1)
+        return covariance.view(*mean.shape, head_dim)
 
     def nbytes(self) -> int:
         """Bytes held."""

@@ -27,16 +27,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Invert k' = k·cos + rotate_half(k)·sin from the tables of one channel pair each (cos, sin may carry an
-    attention scale).
+    """Invert k' = k·cos + rotate_half(k)·sin, given the inverse's tables (:func:`inverse_pair_tables`).
 
     Args:
         keys: (..., tokens, head_dim) rotated keys.
-        cos, sin: (..., tokens, head_dim // 2) :func:`pair_rotary_tables`, broadcastable to half the keys.
+        cos, sin: (..., tokens, head_dim // 2) cos/(cos² + sin²) and sin/(cos² + sin²) of each channel pair
+            (the norm is 1 unless the tables carry an attention scale), broadcastable to half the keys.
     """
     first, second = keys.chunk(2, dim=-1)  # k' = (a·c − b·s, b·c + a·s) for k = (a, b)
-    norm = cos * cos + sin * sin
-    return torch.cat(((first * cos + second * sin) / norm, (second * cos - first * sin) / norm), dim=-1)
+    return torch.cat((torch.addcmul(first * cos, second, sin), torch.addcmul(second * cos, first, sin, value=-1)),
+                     dim=-1)
 
 
 def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor):
@@ -104,7 +104,8 @@ def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor
       ``end`` defaults to the largest position + 1;
     - ``post_rope``: the cached key as it is (models without rotary embeddings).
 
-    ``positions`` is (tokens,) or matches the keys' leading dims, e.g. (batch, kv_heads, tokens).
+    ``positions`` is (tokens,) or matches the keys' leading dims, e.g. (batch, kv_heads, tokens); every
+    one is below ``end`` when it is given.
     """
     if view not in KEY_VIEWS:
         raise ValueError(f"unknown key view {view!r}; expected one of {', '.join(KEY_VIEWS)}")
@@ -113,13 +114,53 @@ def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor
     if view == "end_relative":
         last = (int(positions.max()) + 1 if end is None else end) - 1
         positions = torch.tensor([last], device=keys.device)
-    tables = pair_rotary_tables(model, positions, keys)
+    tables = inverse_pair_tables(model, positions, keys, end)
     if tables is None:
         return keys.float()
     cos, sin = tables
     if view == "end_relative":
         cos, sin = cos[0], sin[0]
     return unrotate(keys.float(), cos, sin)
+
+
+def inverse_pair_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.Tensor,
+                        end: int | None = None):
+    """The tables :func:`unrotate` takes for keys at ``positions``: (cos, sin) / (cos² + sin²) of
+    :func:`pair_rotary_tables`, each (*positions.shape, head_dim // 2) float32, or None without RoPE.
+
+    Where the frequencies are fixed (and outside ``torch.compile``), rows of a table over positions 0, 1, ...
+    kept on the rotary module (:func:`position_table`): one gather per layer instead of the sines and cosines of
+    every key. ``end``: a bound on the positions if the caller has one (tokens seen so far), else their largest + 1.
+    """
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        return None
+    if rescales(rotary) or torch.compiler.is_compiling():  # compiled: fused in its graph, which a lookup breaks
+        cos, sin = pair_rotary_tables(model, positions, like)
+        norm = cos * cos + sin * sin
+        return cos / norm, sin / norm
+    end = int(positions.max()) + 1 if end is None else end
+    table = position_table(model, end, like)
+    rows = table.index_select(0, positions.reshape(-1).to(table.device)).view(*positions.shape, table.shape[-1])
+    return rows.chunk(2, dim=-1)
+
+
+@torch.compiler.disable  # a cache lookup, like features.future_rotation: traced, its key would be a guard
+def position_table(model: PreTrainedModel, end: int, like: torch.Tensor) -> torch.Tensor:
+    """(P, head_dim) float32 with P >= ``end`` (a power of two): row p is [cos_p | sin_p] / (cos_p² + sin_p²) of
+    :func:`pair_rotary_tables` at position p, for a rotary module whose frequencies are fixed. Kept on the module,
+    grown when a longer sequence asks, remade if ``inv_freq`` changes."""
+    rotary = model.get_decoder().rotary_emb
+    frequencies = rotary.inv_freq
+    key = (like.device, like.dtype, frequencies.data_ptr(), frequencies._version, rotary.attention_scaling)
+    cached = getattr(rotary, "_curkv_position_table", None)
+    if cached is None or cached[0] != key or cached[1].shape[0] < end:
+        size = 1 << max(int(end) - 1, 255).bit_length()
+        cos, sin = pair_rotary_tables(model, torch.arange(size, device=like.device), like)
+        norm = cos * cos + sin * sin
+        cached = (key, torch.cat((cos / norm, sin / norm), dim=-1))
+        rotary._curkv_position_table = cached
+    return cached[1]
 
 
 def average_rotation(model: PreTrainedModel | None, start: int, count: int, head_dim: int,

@@ -6,7 +6,7 @@ position features p_j (DESIGN.md §3)::
     z_j = a_{l,h}·k_j / sqrt(d) + w_{l,h}·φ(p_j) + mlp_{l,h}(v_j) + b_{l,h}
     s_j = σ(z_j / T)
 
-Parameters are stacked over (layer, KV head) so each term is one einsum. Other families
+Parameters are stacked over (layer, KV head) so each term is one batched product. Other families
 (:mod:`curkv_train.models.estimators`) take the same :class:`EstimatorInputs`.
 """
 
@@ -70,6 +70,20 @@ def position_features(positions: torch.Tensor, end: int, max_positions: int) -> 
     )
 
 
+def per_head_product(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each (layer, KV head)'s own linear map: inputs (L', batch, kv_heads, tokens, d) by weight
+    (L', kv_heads, d, k) -> (L', batch, kv_heads, tokens, k). One batched product (einsum's permutations cost
+    as much as the products at inference, layer by layer)."""
+    return inputs @ weight.unsqueeze(1)
+
+
+def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each (layer, KV head)'s own weight vector dotted with every token's inputs: inputs
+    (L', batch, kv_heads, tokens, d) by weight (L', kv_heads, d) -> (L', batch, kv_heads, tokens), computed as
+    weight-row × inputsᵀ (a product with a one-column right side is slower)."""
+    return (weight[:, None, :, None, :] @ inputs.transpose(-1, -2)).squeeze(-2)
+
+
 def init_bias(shape: tuple[int, ...], init_keep: float) -> nn.Parameter:
     """A bias of ``shape`` at logit(init_keep); ``init_keep`` must lie in (0, 1)."""
     if not 0.0 < init_keep < 1.0:
@@ -116,19 +130,36 @@ class ValueEstimator(nn.Module):
         """float32 values kept for the backward per (layer, KV head, token): the value MLP's hidden units + 2."""
         return self.value_in.shape[-1] + 2
 
+    def position_features(self, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """:func:`position_features` of ``positions`` (every one below ``end``), (*positions.shape, F): in eager
+        mode, rows of the table of positions 0 .. end - 1 (:meth:`position_table`), gathered."""
+        if torch.compiler.is_compiling():  # the compiler fuses the operators; a lookup would break its graph
+            return position_features(positions, end, self.max_positions)
+        table = self.position_table(end, positions.device)
+        return table.index_select(0, positions.reshape(-1)).view(*positions.shape, table.shape[-1])
+
+    @torch.compiler.disable  # a cache lookup: traced, its key would be a guard
+    def position_table(self, end: int, device: torch.device) -> torch.Tensor:
+        """(end, F) :func:`position_features` of positions 0 .. end - 1, kept for the last ``end`` asked: every layer
+        of a compression round, and every step of a training stage, asks for the same (its fourteen small
+        operators cost as much as the value MLP, layer by layer)."""
+        cached = getattr(self, "_position_table", None)
+        if cached is None or cached[0] != (end, device):
+            positions = torch.arange(end, device=device)
+            cached = ((end, device), position_features(positions, end, self.max_positions))
+            self._position_table = cached
+        return cached[1]
+
     def seed_terms(self, inputs: EstimatorInputs, layers: torch.Tensor | slice) -> torch.Tensor:
         """a·k/√d + w·φ(p) + mlp(v) + b: (L', batch, kv_heads, tokens) float32."""
         keys, values = inputs.keys.float(), inputs.values.float()
-        key_term = torch.einsum("lbhnd,lhd->lbhn", keys, self.key_weight[layers]) / math.sqrt(self.head_dim)
-        hidden = torch.einsum("lbhnd,lhdk->lbhnk", values, self.value_in[layers])
-        hidden = torch.relu(hidden + self.value_in_bias[layers][:, None, :, None, :])
-        value_term = torch.einsum("lbhnk,lhk->lbhn", hidden, self.value_out[layers])
-        features = position_features(inputs.positions.to(keys.device), inputs.end, self.max_positions)
-        if features.dim() == 2:
-            position_term = torch.einsum("nf,lhf->lhn", features, self.position_weight[layers])[:, None]
-        else:
-            position_term = torch.einsum("bhnf,lhf->lbhn", features, self.position_weight[layers])
-        return key_term + value_term + position_term + self.bias[layers][:, None, :, None]
+        key_term = per_head_dot(keys, self.key_weight[layers] / math.sqrt(self.head_dim))
+        hidden = per_head_product(values, self.value_in[layers]).add_(self.value_in_bias[layers][:, None, :, None, :])
+        value_term = per_head_dot(torch.relu_(hidden), self.value_out[layers])
+        features = self.position_features(inputs.positions.to(keys.device), inputs.end)  # (n, F) or (b, h, n, F)
+        features = features.expand(*keys.shape[1:3], *features.shape[-2:])
+        position_term = per_head_dot(features.expand(keys.shape[0], *features.shape), self.position_weight[layers])
+        return key_term.add_(value_term).add_(position_term).add_(self.bias[layers][:, None, :, None])
 
     def forward(self, inputs: EstimatorInputs, layers: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Keep-score logits z: (L', batch, kv_heads, tokens) float32 (``layers`` picks the L' layers)."""

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from curkv_train.core.rope import (average_rotation, key_view, pair_rotary_tables, rotary_tables, rotate,
-                                   rotate_half)
+from curkv_train.core.rope import (average_rotation, key_view, pair_rotary_tables, position_table, rotary_tables,
+                                   rotate, rotate_half)
 from curkv_train.models.base import tiny_llama_config
 
 ROPES = [None, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
@@ -64,3 +64,18 @@ def test_a_scorers_tables_past_the_models_length_leave_its_rope_as_it_was():
     average_rotation(model, 2000, 512, 16, torch.zeros(1))
     rotary_tables(model, torch.arange(1500, 1600), torch.zeros(1))
     torch.testing.assert_close(rotary(torch.zeros(1), position)[0], before, rtol=0, atol=0)
+
+
+def test_the_pre_rope_views_table_grows_with_the_sequence_and_follows_the_frequencies():
+    """key_view reads its tables from one kept on the rotary module: a longer sequence must grow it, and a model
+    whose frequencies change (weights loaded in place) must not be unrotated with the old ones."""
+    model = llama(None)
+    keys = torch.randn(1, 2, 30, 16)
+    for end in (40, 3000):  # the second is past the first table's 256 rows
+        positions = torch.randint(0, end, (1, 2, 30))
+        rotated = rotate(keys, *rotary_tables(model, positions, keys))
+        torch.testing.assert_close(key_view(model, rotated, positions, "pre_rope", end), keys, atol=1e-5, rtol=1e-5)
+        assert position_table(model, end, keys).shape[0] >= end
+    model.model.rotary_emb.inv_freq.mul_(0.5)  # in place: the same tensor, a new version
+    rotated = rotate(keys, *rotary_tables(model, positions, keys))
+    torch.testing.assert_close(key_view(model, rotated, positions, "pre_rope", 3000), keys, atol=1e-5, rtol=1e-5)

@@ -16,6 +16,7 @@ from curkv_train.eval.context import LayerContext
 from curkv_train.eval.methods import ExpectedAttentionScore
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.capture import estimator_inputs, prefill_context
+from curkv_train.models.estimator import ValueEstimator, position_features
 from curkv_train.models.estimators import FAMILIES, build_estimator
 from curkv_train.runtime import CurKVCache
 from runtime_helpers import family_scorer
@@ -241,3 +242,12 @@ def test_a_scorer_json_without_features_loads_with_all_four(tmp_path):
 def test_bad_feature_lists_are_refused_with_one_line(features, message):
     with pytest.raises(CurKVError, match=message):
         build_estimator("query_aware", kv_shape(load_base_model(TINY_RANDOM).config), features=features)
+
+
+def test_the_estimators_position_table_gives_each_positions_features_for_every_end():
+    """The seed terms gather position features from a table kept for the last end asked: a new end must replace it
+    (the features measure distances to the end), for shared and for per-head positions."""
+    estimator = ValueEstimator(num_layers=2, num_kv_heads=2, head_dim=16)
+    for end, positions in [(50, torch.arange(50)), (80, torch.randint(0, 80, (1, 2, 33))), (50, torch.arange(7, 50))]:
+        torch.testing.assert_close(estimator.position_features(positions, end),
+                                   position_features(positions, end, estimator.max_positions), rtol=0, atol=0)
