@@ -259,7 +259,8 @@ def expected_logits(mean: torch.Tensor, covariance: torch.Tensor, keys: torch.Te
     the linear term added to it, then a dot with the key (broadcasting the keys into the product instead
     copied them g times, and cost twice this)."""
     batch, kv_heads, group, dim = mean.shape
-    weights = (0.5 * scale**2 * covariance).transpose(2, 3).reshape(batch, kv_heads, dim, group * dim)
+    # the g covariances stacked as rows, transposed (a view): column block g is Σ'_gᵀ = Σ'_g
+    weights = (0.5 * scale**2 * covariance).reshape(batch, kv_heads, group * dim, dim).transpose(-1, -2)
     projected = product(keys, weights, precision).add_((scale * mean).reshape(batch, kv_heads, 1, group * dim))
     return torch.einsum("bhngd,bhnd->bhgn", projected.view(batch, kv_heads, -1, group, dim), keys)
 

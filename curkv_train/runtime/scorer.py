@@ -123,16 +123,20 @@ class Scorer:
         if "query_features" in self.estimator.needs:  # looked up here, outside what compiled() compiles
             gram = output_gram(module, keys.shape[1], observation.queries.shape[1] // keys.shape[1])
             rotation = future_rotation(model, end, self.estimator.future_positions, keys.shape[-1], keys)
-        return self.layer_logits(model, module, layer_index(layer, keys.device), keys, values, positions, end,
+        # eager, a slice: the parameters' rows as views; compiled, a tensor input (a slice's constants would
+        # compile a graph per layer)
+        layers = layer_index(layer, keys.device) if self.is_compiled else slice(layer, layer + 1)
+        return self.layer_logits(model, module, layers, keys, values, positions, end,
                                  observation, token_scores, gram, rotation)
 
-    def layer_logits(self, model: PreTrainedModel, module: nn.Module, layers: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor, positions: torch.Tensor, end: int, observation: Observation | None,
+    def layer_logits(self, model: PreTrainedModel, module: nn.Module, layers: torch.Tensor | slice,
+                     keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
+                     observation: Observation | None,
                      token_scores: torch.Tensor | None, gram: torch.Tensor | None = None,
                      rotation: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor work of :meth:`score_layer` (features, key view, estimator) for the layer whose attention
-        module is ``module`` and index ``layers`` (1,): what :meth:`compiled` compiles, in one graph when the
-        layer's :func:`~curkv_train.core.features.output_gram` and the round's
+        module is ``module`` and index ``layers`` (a (1,) tensor, or a slice of one layer): what :meth:`compiled`
+        compiles, in one graph when the layer's :func:`~curkv_train.core.features.output_gram` and the round's
         :func:`~curkv_train.core.features.future_rotation` come in as ``gram`` and ``rotation``. Returns
         (batch, kv_heads, tokens) float32 logits."""
         features = None
@@ -143,6 +147,11 @@ class Scorer:
                                  positions, end, query_features=features,
                                  token_scores=None if token_scores is None else token_scores[None])
         return self.estimator(inputs, layers=layers)[0]
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`layer_logits` runs through ``torch.compile`` (a copy made by :meth:`compiled`)."""
+        return "layer_logits" in vars(self)
 
     def compiled(self) -> "Scorer":
         """A copy of this scorer (sharing its estimator) whose :meth:`layer_logits` runs through
