@@ -251,3 +251,17 @@ def test_the_estimators_position_table_gives_each_positions_features_for_every_e
     for end, positions in [(50, torch.arange(50)), (80, torch.randint(0, 80, (1, 2, 33))), (50, torch.arange(7, 50))]:
         torch.testing.assert_close(estimator.position_features(positions, end),
                                    position_features(positions, end, estimator.max_positions), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key_view", KEY_VIEWS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_positions_score_as_each_heads_own_copy_of_them(model, family, key_view):
+    """Before its first eviction the cache hands the scorer one (tokens,) row of positions for every head
+    instead of its (batch, kv_heads, tokens) tensor: the logits must not change."""
+    scorer = family_scorer(family, key_view)
+    generator = torch.Generator().manual_seed(2)
+    keys, values = (torch.randn(1, 2, 90, 16, generator=generator) for _ in range(2))
+    extra = scorer.prefill_inputs(model, 1, torch.randn(1, 90, model.config.hidden_size, generator=generator))
+    shared = scorer.score_layer(model, 1, keys, values, torch.arange(90), end=90, **extra)
+    per_head = scorer.score_layer(model, 1, keys, values, torch.arange(90).expand(1, 2, 90).clone(), end=90, **extra)
+    torch.testing.assert_close(shared, per_head, rtol=0, atol=1e-6)
