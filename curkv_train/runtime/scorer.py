@@ -124,8 +124,10 @@ class Scorer:
             gram = output_gram(module, keys.shape[1], observation.queries.shape[1] // keys.shape[1])
             rotation = future_rotation(model, end, self.estimator.future_positions, keys.shape[-1], keys)
         # eager, a slice: the parameters' rows as views; compiled, a tensor input (a slice's constants would
-        # compile a graph per layer)
+        # compile a graph per layer), and positions always per head (shared ones would compile a second graph)
         layers = layer_index(layer, keys.device) if self.is_compiled else slice(layer, layer + 1)
+        if self.is_compiled and positions.dim() == 1:
+            positions = positions.expand(*keys.shape[:2], -1).contiguous()
         return self.layer_logits(model, module, layers, keys, values, positions, end,
                                  observation, token_scores, gram, rotation)
 

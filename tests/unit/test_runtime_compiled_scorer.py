@@ -43,12 +43,19 @@ def test_compiled_logits_equal_the_eager_ones_without_a_compilation_per_layer_or
 
 def test_a_cache_with_a_compiled_scorer_generates_what_the_eager_one_does(model):
     prompt = torch.randint(3, 512, (1, 200), generator=torch.Generator().manual_seed(0))
-    tokens = []
+    tokens, compressions = [], []
     for compile_scorer in (False, True):
         cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compile_scorer=compile_scorer)
+        original = cache._score
+        cache.layers[0].score_fn = lambda *args: compressions.append(args[3].dim()) or original(*args)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         tokens.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
                                      do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None))
     assert torch.equal(tokens[1], tokens[0])
+    # the prefill's compression scores shared positions, the later ones each head's own: still one graph
+    assert compressions[:2] == [1, 3] and len(compressions) > 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @torch.no_grad()
