@@ -185,10 +185,7 @@ class CurKVLayer(CacheLayerMixin):
         Every held dense token is scored (sinks and hot ones too, so a query-aware score sees
         the whole held cache), and only the candidates compete.
         """
-        positions = self.positions.long()
-        if self.keys.shape[-2] == self.seen:  # nothing evicted or spilled yet: every head holds 0 .. seen - 1
-            positions = torch.arange(self.seen, device=self.device)  # shared: a third of the tables to gather
-        logits = self.score_fn(self.layer_idx, self.keys, self.values, positions, self.seen,
+        logits = self.score_fn(self.layer_idx, self.keys, self.values, self.positions.long(), self.seen,
                                self.observer.observation(), self.token_scores)
         competing = compressible_mask(logits.shape[-1], self.n_sink_held, self.n_hot, device=logits.device)
         logits = logits.masked_fill(newest_places(competing, keep, self.settings.recent_share), float("inf"))

@@ -46,8 +46,14 @@ def test_a_cache_with_a_compiled_scorer_generates_what_the_eager_one_does(model)
     tokens, compressions = [], []
     for compile_scorer in (False, True):
         cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compile_scorer=compile_scorer)
-        original = cache._score
-        cache.layers[0].score_fn = lambda *args: compressions.append(args[3].dim()) or original(*args)
+        original = cache.scorer.score_layer
+
+        def spy(model, layer, keys, values, positions, _original=original, **rest):
+            if layer == 0:  # the positions CurKVCache._score hands the scorer
+                compressions.append(positions.dim())
+            return _original(model, layer, keys, values, positions, **rest)
+
+        cache.scorer.score_layer = spy
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         tokens.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
