@@ -136,13 +136,17 @@ def inverse_pair_tables(model: PreTrainedModel, positions: torch.Tensor, like: t
     if rotary is None:
         return None
     if rescales(rotary) or torch.compiler.is_compiling():  # compiled: fused in its graph, which a lookup breaks
-        cos, sin = pair_rotary_tables(model, positions, like)
-        norm = cos * cos + sin * sin
-        return cos / norm, sin / norm
+        return inverted(*pair_rotary_tables(model, positions, like))
     end = int(positions.max()) + 1 if end is None else end
     table = position_table(model, end, like)
     rows = table.index_select(0, positions.reshape(-1).to(table.device)).view(*positions.shape, table.shape[-1])
     return rows.chunk(2, dim=-1)
+
+
+def inverted(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse rotation's tables from :func:`pair_rotary_tables`' (any shape): (cos, sin) / (cos² + sin²)."""
+    norm = cos * cos + sin * sin
+    return cos / norm, sin / norm
 
 
 @torch.compiler.disable  # a cache lookup, like features.future_rotation: traced, its key would be a guard
@@ -156,9 +160,8 @@ def position_table(model: PreTrainedModel, end: int, like: torch.Tensor) -> torc
     cached = getattr(rotary, "_curkv_position_table", None)
     if cached is None or cached[0] != key or cached[1].shape[0] < end:
         size = 1 << max(int(end) - 1, 255).bit_length()
-        cos, sin = pair_rotary_tables(model, torch.arange(size, device=like.device), like)
-        norm = cos * cos + sin * sin
-        cached = (key, torch.cat((cos / norm, sin / norm), dim=-1))
+        tables = pair_rotary_tables(model, torch.arange(size, device=like.device), like)
+        cached = (key, torch.cat(inverted(*tables), dim=-1))
         rotary._curkv_position_table = cached
     return cached[1]
 

@@ -157,8 +157,8 @@ class ValueEstimator(nn.Module):
         hidden = per_head_product(values, self.value_in[layers]).add_(self.value_in_bias[layers][:, None, :, None, :])
         value_term = per_head_dot(torch.relu_(hidden), self.value_out[layers])
         features = self.position_features(inputs.positions.to(keys.device), inputs.end)  # (n, F) or (b, h, n, F)
-        features = features.expand(*keys.shape[1:3], *features.shape[-2:])
-        position_term = per_head_dot(features.expand(keys.shape[0], *features.shape), self.position_weight[layers])
+        position_term = per_head_dot(features.expand(*keys.shape[:3], *features.shape[-2:]),
+                                     self.position_weight[layers])
         return key_term.add_(value_term).add_(position_term).add_(self.bias[layers][:, None, :, None])
 
     def forward(self, inputs: EstimatorInputs, layers: torch.Tensor | slice = slice(None)) -> torch.Tensor:
