@@ -70,18 +70,42 @@ def position_features(positions: torch.Tensor, end: int, max_positions: int) -> 
     )
 
 
-def per_head_product(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Each (layer, KV head)'s own linear map: inputs (L', batch, kv_heads, tokens, d) by weight
-    (L', kv_heads, d, k) -> (L', batch, kv_heads, tokens, k). One batched product (einsum's permutations cost
-    as much as the products at inference, layer by layer)."""
-    return inputs @ weight.unsqueeze(1)
+def per_head_batches(tensor: torch.Tensor) -> torch.Tensor:
+    """(L', batch, kv_heads, rows, cols) -> (L'·batch·kv_heads, rows, cols), a view where the strides allow."""
+    return tensor.reshape(-1, *tensor.shape[-2:])
 
 
-def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Each (layer, KV head)'s own weight vector dotted with every token's inputs: inputs
-    (L', batch, kv_heads, tokens, d) by weight (L', kv_heads, d) -> (L', batch, kv_heads, tokens), computed as
-    weight-row × inputsᵀ (a product with a one-column right side is slower)."""
-    return (weight[:, None, :, None, :] @ inputs.transpose(-1, -2)).squeeze(-2)
+def per_batch(weight: torch.Tensor, batch: int) -> torch.Tensor:
+    """A per-(layer, KV head) parameter (L', kv_heads, *rest) repeated for each batch row and flattened like
+    :func:`per_head_batches`: (L'·batch·kv_heads, *rest); a view for one batch row."""
+    return weight.unsqueeze(1).expand(weight.shape[0], batch, *weight.shape[1:]).reshape(-1, *weight.shape[2:])
+
+
+def per_head_affine(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Each (layer, KV head)'s own affine map: inputs (L', batch, kv_heads, tokens, d) by weight (L', kv_heads, d, k)
+    plus bias (L', kv_heads, k) -> (L', batch, kv_heads, tokens, k). One batched product with the bias added in it."""
+    batch = inputs.shape[1]
+    out = torch.baddbmm(per_batch(bias, batch).unsqueeze(-2), per_head_batches(inputs), per_batch(weight, batch))
+    return out.view(*inputs.shape[:-1], weight.shape[-1])
+
+
+def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """bias + scale·(weight · inputs) with each (layer, KV head)'s own weight vector and bias: inputs
+    (L', batch, kv_heads, tokens, d), weight (L', kv_heads, d), bias (L', kv_heads) -> (L', batch, kv_heads, tokens).
+    One batched product, weight-row × inputsᵀ (a product with a one-column right side is slower)."""
+    batch = inputs.shape[1]
+    rows = per_batch(weight, batch).unsqueeze(-2)
+    out = torch.baddbmm(per_batch(bias, batch)[:, None, None], rows, per_head_batches(inputs).transpose(-1, -2),
+                        alpha=scale)
+    return out.view(inputs.shape[:-1])
+
+
+def add_per_head_dot_(total: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``total`` (L', batch, kv_heads, tokens) += weight · inputs, in place, as :func:`per_head_dot` without a bias:
+    the product and the sum in one operator. Returns ``total``."""
+    rows = per_batch(weight, inputs.shape[1]).unsqueeze(-2)
+    total.view(-1, 1, total.shape[-1]).baddbmm_(rows, per_head_batches(inputs).transpose(-1, -2))
+    return total
 
 
 def init_bias(shape: tuple[int, ...], init_keep: float) -> nn.Parameter:
@@ -151,15 +175,15 @@ class ValueEstimator(nn.Module):
         return cached[1]
 
     def seed_terms(self, inputs: EstimatorInputs, layers: torch.Tensor | slice) -> torch.Tensor:
-        """a·k/√d + w·φ(p) + mlp(v) + b: (L', batch, kv_heads, tokens) float32."""
+        """a·k/√d + w·φ(p) + mlp(v) + b: (L', batch, kv_heads, tokens) float32, each term added by the product that
+        computes it (layer by layer at inference, the operators' count is most of the cost)."""
         keys, values = inputs.keys.float(), inputs.values.float()
-        key_term = per_head_dot(keys, self.key_weight[layers] / math.sqrt(self.head_dim))
-        hidden = per_head_product(values, self.value_in[layers]).add_(self.value_in_bias[layers][:, None, :, None, :])
-        value_term = per_head_dot(torch.relu_(hidden), self.value_out[layers])
+        logits = per_head_dot(keys, self.key_weight[layers], self.bias[layers], scale=self.head_dim**-0.5)
+        hidden = per_head_affine(values, self.value_in[layers], self.value_in_bias[layers])
+        add_per_head_dot_(logits, torch.relu_(hidden), self.value_out[layers])
         features = self.position_features(inputs.positions.to(keys.device), inputs.end)  # (n, F) or (b, h, n, F)
-        position_term = per_head_dot(features.expand(*keys.shape[:3], *features.shape[-2:]),
-                                     self.position_weight[layers])
-        return key_term.add_(value_term).add_(position_term).add_(self.bias[layers][:, None, :, None])
+        features = features.expand(*keys.shape[:3], *features.shape[-2:])
+        return add_per_head_dot_(logits, features, self.position_weight[layers])
 
     def forward(self, inputs: EstimatorInputs, layers: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Keep-score logits z: (L', batch, kv_heads, tokens) float32 (``layers`` picks the L' layers)."""

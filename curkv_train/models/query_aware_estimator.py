@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from curkv_train.core.features import QUERY_FEATURES, check_feature_names, query_features
 from curkv_train.core.observation import Observation
 from curkv_train.errors import CurKVError
-from curkv_train.models.estimator import EstimatorInputs, ValueEstimator, per_head_dot, per_head_product
+from curkv_train.models.estimator import EstimatorInputs, ValueEstimator, add_per_head_dot_, per_head_affine
 
 # rule -> weights on QUERY_FEATURES (log scores, so a sum is a product of the rule's factors)
 INIT_RULES = {
@@ -104,8 +104,6 @@ class QueryAwareEstimator(ValueEstimator):
         if features is None:
             raise ValueError("the query_aware estimator needs query_features (see curkv_train.core.features)")
         features = features.float()
-        linear = per_head_dot(features, self.feature_weight[layers])
-        hidden = per_head_product(features, self.feature_in[layers])
-        hidden = hidden.add_(self.feature_in_bias[layers][:, None, :, None, :])
-        residual = per_head_dot(torch.relu_(hidden), self.feature_out[layers])
-        return self.seed_terms(inputs, layers).add_(linear).add_(residual)
+        logits = add_per_head_dot_(self.seed_terms(inputs, layers), features, self.feature_weight[layers])
+        hidden = per_head_affine(features, self.feature_in[layers], self.feature_in_bias[layers])
+        return add_per_head_dot_(logits, torch.relu_(hidden), self.feature_out[layers])
