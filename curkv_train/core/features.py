@@ -112,7 +112,8 @@ def _attention_sized_parts(model, module, keys, values, positions, end, observat
         queries = window_queries(model, observation.queries.float(), observation.positions, kv_heads, scale)
     if "expected_attention" in names:
         rotation = future_rotation(model, end, future_positions, dim, keys) if rotation is None else rotation
-        mean, covariance = future_moments(observation.statistics, rotation, kv_heads, keys)
+        factors = (1.0, 1.0) if kernels else (scale, 0.5 * scale**2)  # the torch path's logit terms, or the moments
+        mean, covariance = future_moments(observation.statistics, rotation, kv_heads, keys, *factors)
     if kernels:
         from curkv_train.kernels.query_features_triton import query_feature_parts_triton
 
@@ -124,7 +125,7 @@ def _attention_sized_parts(model, module, keys, values, positions, end, observat
     if "window_attention" in names:
         parts["window_attention"] = window_mass(queries, float_keys, positions, query_positions, precision)
     if "expected_attention" in names:
-        parts["expected_attention"] = expected_logits(mean, covariance, float_keys, scale, precision)
+        parts["expected_attention"] = expected_logits(mean, covariance, float_keys, precision)
     if "output_norm" in names:
         parts["output_norm"] = output_norms(module, values, group, gram, precision)
     return parts
@@ -237,32 +238,41 @@ def future_rotation(model: PreTrainedModel, end: int, future_positions: int, hea
     return cached[1]
 
 
-def future_moments(statistics: QueryStatistics, rotation: torch.Tensor, kv_heads: int,
-                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def future_moments(statistics: QueryStatistics, rotation: torch.Tensor, kv_heads: int, keys: torch.Tensor,
+                   linear: float = 1.0, quadratic: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The queries' mean (batch, kv_heads, g, head_dim) and covariance (batch, kv_heads, g, head_dim, head_dim)
     rotated by ``rotation`` (head_dim, head_dim), RoPE averaged over the coming positions
-    (:func:`future_rotation`): the Gaussian future query of each query head."""
+    (:func:`future_rotation`): the Gaussian future query of each query head. Scaled by ``linear`` and
+    ``quadratic`` (:meth:`QueryStatistics.moments`: at no cost), e.g. s and ½·s² for :func:`expected_logits`."""
     batch, dim = keys.shape[0], keys.shape[3]
-    mean, covariance = statistics.mean(), statistics.covariance()
-    mean = (mean @ rotation.T).reshape(batch, kv_heads, -1, dim)
-    covariance = (rotation @ covariance @ rotation.T).reshape(batch, kv_heads, -1, dim, dim)
+    mean, covariance = statistics.moments(linear, quadratic)
+    mean = (mean @ rotation.T).view(batch, kv_heads, -1, dim)
+    covariance = (rotation @ covariance @ rotation.T).view(batch, kv_heads, -1, dim, dim)
     return mean, covariance
 
 
-def expected_logits(mean: torch.Tensor, covariance: torch.Tensor, keys: torch.Tensor, scale: float,
+def expected_logits(linear: torch.Tensor, quadratic: torch.Tensor, keys: torch.Tensor,
                     precision: str = "highest") -> torch.Tensor:
-    """s·μ'·k_j + ½·s²·k_jᵀΣ'k_j for every query head's Gaussian (:func:`future_moments`) and key:
-    (batch, kv_heads, g, tokens); its softmax over tokens is the expected attention. ``precision``: of
-    the (tokens × head_dim by head_dim × g·head_dim) product (:func:`product`).
+    """linear·k_j + k_jᵀ·quadratic·k_j for every query head's terms and key: (batch, kv_heads, g, tokens), a
+    transposed view; with the terms s·μ' and ½·s²·Σ' of a Gaussian future query (:func:`future_moments`), its
+    softmax over tokens is the expected attention.
 
-    Computed as k_jᵀ(½·s²·Σ'k_j + s·μ'): one product of the keys with the KV head's g matrices side by side,
-    the linear term added to it, then a dot with the key (broadcasting the keys into the product instead
-    copied them g times, and cost twice this)."""
-    batch, kv_heads, group, dim = mean.shape
-    # the g covariances stacked as rows, transposed (a view): column block g is Σ'_gᵀ = Σ'_g
-    weights = (0.5 * scale**2 * covariance).reshape(batch, kv_heads, group * dim, dim).transpose(-1, -2)
-    projected = product(keys, weights, precision).add_((scale * mean).reshape(batch, kv_heads, 1, group * dim))
-    return torch.einsum("bhngd,bhnd->bhgn", projected.view(batch, kv_heads, -1, group, dim), keys)
+    Args:
+        linear: (batch, kv_heads, g, head_dim).
+        quadratic: (batch, kv_heads, g, head_dim, head_dim), symmetric.
+        keys: (batch, kv_heads, tokens, head_dim) float32 post-RoPE keys.
+        precision: of the two products with the keys (:func:`product`); the dots are float32.
+
+    One product of the keys with the KV head's g matrices side by side, then per key a (1 × head_dim) by
+    (head_dim × g) dot with its g rows, the linear term (a product of the keys with the g vectors) added in it:
+    broadcasting the keys into the product instead copied them g times, and a separate sum cost a pass over it."""
+    batch, kv_heads, group, dim = linear.shape
+    rows = batch * kv_heads * keys.shape[2]
+    stacked = quadratic.reshape(batch, kv_heads, group * dim, dim).transpose(-1, -2)  # block g: quadraticᵀ = itself
+    projected = product(keys, stacked, precision).view(rows, group, dim)
+    terms = torch.baddbmm(product(keys, linear.transpose(-1, -2), precision).view(rows, 1, group),
+                          keys.reshape(rows, 1, dim), projected.transpose(1, 2))
+    return terms.view(batch, kv_heads, -1, group).transpose(2, 3)
 
 
 def output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,

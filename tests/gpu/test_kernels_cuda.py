@@ -104,7 +104,7 @@ def test_query_feature_kernels_match_the_torch_path_on_cuda(dtype, kv_heads=8, g
     scale = head_dim**-0.5
     fused = query_feature_parts_triton(queries, query_positions, keys, positions, values, mean, covariance, gram, scale)
     reference = (features.window_mass(queries, keys.float(), positions, query_positions),
-                 features.expected_logits(mean, covariance, keys.float(), scale),
+                 features.expected_logits(scale * mean, 0.5 * scale**2 * covariance, keys.float()),
                  features.output_norms(None, values, group, gram))  # the module: only for its gram
     for name, got, want in zip(("window mass", "expected logits", "output norm"), fused, reference):
         torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-3, msg=name)

@@ -49,7 +49,7 @@ def torch_parts(queries, query_positions, keys, positions, values, mean, covaria
     """The torch path's window mass, expected logits and group-mean output norms."""
     group = mean.shape[2]
     return (features.window_mass(queries, keys.float(), positions, query_positions),
-            features.expected_logits(mean, covariance, keys.float(), scale),
+            features.expected_logits(scale * mean, 0.5 * scale**2 * covariance, keys.float()),
             features.output_norms(module, values, group, gram))
 
 
