@@ -7,9 +7,10 @@ Constructing a :class:`~curkv_train.runtime.cache.CurKVCache` for a model calls
   module: before each call, when ``past_key_values`` is a CurKVCache, it records on the
   module the cache layer the call will use (``None`` for any other cache), hands that layer
   the module's input hidden states (scorers that score a token on arrival read them) and
-  tells it whether this call's attention is factored; and :func:`record_queries` as a
-  forward hook on the module's query projection, which hands the recorded layer the
-  pre-RoPE queries it projected (query-aware scorers read them);
+  tells it whether this call's attention is factored; and :func:`record_queries` and
+  :func:`record_keys` as forward hooks on the module's query and key projections, which hand
+  the recorded layer the pre-RoPE queries (query-aware scorers read them) and keys (a
+  prefill's first compression reads its pre_rope key view from them) it projected;
 - when asked to (a cache with a cold tier), switches the model's attention implementation
   (``sdpa`` or ``eager``) to a wrapper registered under ``curkv_factored_<implementation>``,
   with the wrapped implementation's mask function (so masks are unchanged).
@@ -109,6 +110,18 @@ def record_queries(projection: torch.nn.Module, args: tuple[Any, ...], output: t
     if layer is not None:
         batch, tokens = output.shape[0], output.shape[1]
         layer.observe_queries(output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2))
+
+
+def record_keys(projection: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+    """Forward hook of an attention module's key projection (``k_norm`` if it has one, else ``k_proj``): hands the
+    recorded layer the keys it just projected, pre-RoPE, as (batch, kv_heads, new, head_dim) — a view, kept only
+    until the layer's update: a prefill's first compression reads its pre_rope key view from them instead of
+    turning every cached key back."""
+    attention = getattr(projection, ATTENTION_ATTRIBUTE)()
+    layer = None if attention is None else cache_layer_of(attention)
+    if layer is not None:
+        batch, tokens = output.shape[0], output.shape[1]
+        layer.observe_keys(output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2))
 
 
 def check_within_window(window: int | None, held: int, new: int) -> None:
@@ -234,9 +247,10 @@ def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per
     for module in attention_modules(model):
         if getattr(module, HOOK_ATTRIBUTE, None) is None:
             setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(record_cache_layer, with_kwargs=True))
-            projection = getattr(module, "q_norm", None) or module.q_proj  # Qwen3 / Gemma3 normalise queries
-            setattr(projection, ATTENTION_ATTRIBUTE, weakref.ref(module))
-            projection.register_forward_hook(record_queries)
+            for norm, linear, hook in (("q_norm", "q_proj", record_queries), ("k_norm", "k_proj", record_keys)):
+                projection = getattr(module, norm, None) or getattr(module, linear)  # Qwen3 / Gemma3 normalise them
+                setattr(projection, ATTENTION_ATTRIBUTE, weakref.ref(module))
+                projection.register_forward_hook(hook)
     if not (factored or per_layer):
         return False
     if is_factored(implementation):

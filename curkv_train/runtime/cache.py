@@ -200,12 +200,13 @@ class CurKVCache(Cache):
 
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
-               observation, token_scores) -> torch.Tensor:
-        """Estimator logits (batch, kv_heads, tokens) for held tokens at per-head ``positions``."""
+               observation, token_scores, projected_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Estimator logits (batch, kv_heads, tokens) for held tokens at per-head ``positions`` (``projected_keys``:
+        their pre-RoPE keys, if the layer recorded them)."""
         if keys.shape[-2] == end:  # nothing evicted or spilled yet: every head holds 0 .. end - 1
             positions = torch.arange(end, device=keys.device)  # shared: a third of the tables to gather
         return self.scorer.score_layer(self.model, layer, keys, values, positions, end=end, observation=observation,
-                                       token_scores=token_scores)
+                                       token_scores=token_scores, projected_keys=projected_keys)
 
     def nbytes(self) -> int:
         """Bytes actually held by the cache: K/V, CUR factors, residuals and position bookkeeping."""

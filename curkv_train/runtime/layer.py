@@ -15,7 +15,8 @@ from curkv_train.runtime.buffer import buffer_of, buffered
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.tiers import ColdBlock, TierSettings
 
-# (layer, keys, values, positions, end, observation, token_scores) -> (batch, kv_heads, tokens) keep logits
+# (layer, keys, values, positions, end, observation, token_scores, projected_keys) -> (batch, kv_heads, tokens)
+# keep logits
 ScoreFn = Callable[..., torch.Tensor]
 
 
@@ -36,8 +37,9 @@ class CurKVLayer(CacheLayerMixin):
     Args:
         layer_idx: decoder layer index (for the estimator's per-layer parameters).
         settings: the tier settings shared by all layers.
-        score_fn: (layer, keys, values, positions, end, observation, token_scores) ->
-            (batch, kv_heads, tokens) keep logits of the held dense tokens.
+        score_fn: (layer, keys, values, positions, end, observation, token_scores, projected_keys) ->
+            (batch, kv_heads, tokens) keep logits of the held dense tokens (projected_keys: their pre-RoPE keys
+            when the layer has them, else None).
         observer: the layer's recorded attention inputs (filled through :meth:`observe`).
     """
 
@@ -62,6 +64,7 @@ class CurKVLayer(CacheLayerMixin):
         self.factored_cold: tuple[ColdBlock, ...] = ()
         self.seen = self.compressible_seen = 0
         self.n_sink_held = self.n_warm = self.n_hot = 0
+        self.projected_keys: torch.Tensor | None = None  # the coming update's pre-RoPE keys (observe_keys)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty dense tensors shaped like the first keys/values."""
@@ -80,6 +83,19 @@ class CurKVLayer(CacheLayerMixin):
     def observe_queries(self, queries: torch.Tensor) -> None:
         """Record the pre-RoPE queries (batch, heads, new, head_dim) of the tokens the next update appends."""
         self.observer.observe_queries(queries, self.seen)
+
+    def observe_keys(self, keys: torch.Tensor) -> None:
+        """Record the pre-RoPE keys (batch, kv_heads, new, head_dim) of the tokens the next update appends, until it
+        has run (:meth:`_projected_keys`)."""
+        self.projected_keys = keys
+
+    def _projected_keys(self) -> torch.Tensor | None:
+        """The recorded pre-RoPE keys if they are every held dense token's (a first update, as in a prefill), else
+        None."""
+        keys = self.projected_keys
+        if keys is None or keys.shape[-2] != self.seen or self.keys.shape[-2] != self.seen:
+            return None
+        return keys
 
     @property
     def cold_tokens(self) -> int:
@@ -115,6 +131,7 @@ class CurKVLayer(CacheLayerMixin):
             values = torch.cat([cur.reconstruct(block.values) for block in self.cold] + [values], dim=-2)
         if self._compression_due():
             self.compress()
+        self.projected_keys = None
         return keys, values
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -186,7 +203,7 @@ class CurKVLayer(CacheLayerMixin):
         the whole held cache), and only the candidates compete.
         """
         logits = self.score_fn(self.layer_idx, self.keys, self.values, self.positions.long(), self.seen,
-                               self.observer.observation(), self.token_scores)
+                               self.observer.observation(), self.token_scores, self._projected_keys())
         competing = compressible_mask(logits.shape[-1], self.n_sink_held, self.n_hot, device=logits.device)
         logits = logits.masked_fill(newest_places(competing, keep, self.settings.recent_share), float("inf"))
         # select_kept keeps ⌈ρ'·candidates⌉; ρ' = keep / candidates gives exactly ``keep``.

@@ -90,7 +90,8 @@ class Scorer:
     @torch.no_grad()
     def score_layer(self, model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
                     positions: torch.Tensor | None = None, end: int | None = None,
-                    observation: Observation | None = None, token_scores: torch.Tensor | None = None) -> torch.Tensor:
+                    observation: Observation | None = None, token_scores: torch.Tensor | None = None,
+                    projected_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Keep logits of one layer's cached tokens.
 
         Args:
@@ -103,6 +104,9 @@ class Scorer:
             end: tokens seen so far (distance features are measured to it); default last position + 1.
             observation: the layer's observation window (``query_aware`` family).
             token_scores: (batch, kv_heads, tokens) logits stored when the tokens arrived (``hidden`` family).
+            projected_keys: (batch, kv_heads, tokens, head_dim) the same keys before RoPE, as the model projected
+                them, if the caller has them (a prefill): the ``pre_rope`` key view without turning the cached
+                keys back (equal up to rounding). A compiled scorer turns them back itself (one graph).
 
         Returns:
             (batch, kv_heads, tokens) float32 logits, higher = keep.
@@ -128,24 +132,28 @@ class Scorer:
         layers = layer_index(layer, keys.device) if self.is_compiled else slice(layer, layer + 1)
         if self.is_compiled and positions.dim() == 1:
             positions = positions.expand(*keys.shape[:2], -1).contiguous()
+        viewed = projected_keys.float() if projected_keys is not None and self.key_view == "pre_rope" \
+            and not self.is_compiled else None
         return self.layer_logits(model, module, layers, keys, values, positions, end,
-                                 observation, token_scores, gram, rotation)
+                                 observation, token_scores, gram, rotation, viewed)
 
     def layer_logits(self, model: PreTrainedModel, module: nn.Module, layers: torch.Tensor | slice,
                      keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
                      observation: Observation | None,
                      token_scores: torch.Tensor | None, gram: torch.Tensor | None = None,
-                     rotation: torch.Tensor | None = None) -> torch.Tensor:
+                     rotation: torch.Tensor | None = None, viewed_keys: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor work of :meth:`score_layer` (features, key view, estimator) for the layer whose attention
         module is ``module`` and index ``layers`` (a (1,) tensor, or a slice of one layer): what :meth:`compiled`
         compiles, in one graph when the layer's :func:`~curkv_train.core.features.output_gram` and the round's
-        :func:`~curkv_train.core.features.future_rotation` come in as ``gram`` and ``rotation``. Returns
-        (batch, kv_heads, tokens) float32 logits."""
+        :func:`~curkv_train.core.features.future_rotation` come in as ``gram`` and ``rotation``; ``viewed_keys``: the keys
+        in the scorer's key view if the caller has them. Returns (batch, kv_heads, tokens) float32 logits."""
         features = None
         if "query_features" in self.estimator.needs:
             features = self.estimator.query_features(model, module, keys, values, positions, end, observation,
                                                      gram, rotation, self.matmul_precision)[None]
-        inputs = EstimatorInputs(key_view(model, keys, positions, self.key_view, end)[None], values.float()[None],
+        if viewed_keys is None:
+            viewed_keys = key_view(model, keys, positions, self.key_view, end)
+        inputs = EstimatorInputs(viewed_keys[None], values.float()[None],
                                  positions, end, query_features=features,
                                  token_scores=None if token_scores is None else token_scores[None])
         return self.estimator(inputs, layers=layers)[0]

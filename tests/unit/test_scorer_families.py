@@ -18,7 +18,8 @@ from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.capture import estimator_inputs, prefill_context
 from curkv_train.models.estimator import ValueEstimator, position_features
 from curkv_train.models.estimators import FAMILIES, build_estimator
-from curkv_train.runtime import CurKVCache
+from curkv_train.runtime import CurKVCache, Scorer
+from curkv_train.runtime.layer import CurKVLayer
 from runtime_helpers import family_scorer
 
 CONTEXT = 120
@@ -265,3 +266,32 @@ def test_shared_positions_score_as_each_heads_own_copy_of_them(model, family, ke
     shared = scorer.score_layer(model, 1, keys, values, torch.arange(90), end=90, **extra)
     per_head = scorer.score_layer(model, 1, keys, values, torch.arange(90).expand(1, 2, 90).clone(), end=90, **extra)
     torch.testing.assert_close(shared, per_head, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("key_view", KEY_VIEWS)
+def test_a_prefill_scores_from_the_projected_keys_as_from_the_cached_ones(model, ids, key_view, monkeypatch):
+    """A prefill's first compression hands the scorer the keys as the model projected them (the pre_rope view
+    without turning the cached keys back); later compressions, which hold older tokens, do not. The logits are
+    those of the cached keys turned back, up to rounding, for every key view."""
+    scorer = family_scorer("query_aware", key_view)
+    handed, original = [], Scorer.score_layer
+
+    def spy(self, *args, projected_keys=None, **kwargs):
+        handed.append(projected_keys is not None)
+        return original(self, *args, projected_keys=projected_keys, **kwargs)
+
+    monkeypatch.setattr(Scorer, "score_layer", spy)
+    with_projected = cache_logits(scorer, model, ids)
+    assert handed and all(handed)
+    monkeypatch.setattr(CurKVLayer, "observe_keys", lambda self, keys: None)
+    handed.clear()
+    torch.testing.assert_close(cache_logits(scorer, model, ids), with_projected, rtol=0, atol=1e-5)
+    assert handed and not any(handed)
+    monkeypatch.undo()
+    monkeypatch.setattr(Scorer, "score_layer", spy)
+    handed.clear()
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    with torch.no_grad():
+        model.generate(ids, past_key_values=cache, max_new_tokens=70, min_new_tokens=70, do_sample=False)
+    assert handed[0] and not any(handed[model.config.num_hidden_layers:])  # the decode-time compressions
+    assert len(handed) > model.config.num_hidden_layers
