@@ -78,6 +78,8 @@ def per_head_batches(tensor: torch.Tensor) -> torch.Tensor:
 def per_batch(weight: torch.Tensor, batch: int) -> torch.Tensor:
     """A per-(layer, KV head) parameter (L', kv_heads, *rest) repeated for each batch row and flattened like
     :func:`per_head_batches`: (L'·batch·kv_heads, *rest); a view for one batch row."""
+    if batch == 1:  # one operator, not three: at inference, layer by layer, each costs as much as a small product
+        return weight.flatten(0, 1)
     return weight.unsqueeze(1).expand(weight.shape[0], batch, *weight.shape[1:]).reshape(-1, *weight.shape[2:])
 
 
@@ -85,7 +87,8 @@ def per_head_affine(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """Each (layer, KV head)'s own affine map: inputs (L', batch, kv_heads, tokens, d) by weight (L', kv_heads, d, k)
     plus bias (L', kv_heads, k) -> (L', batch, kv_heads, tokens, k). One batched product with the bias added in it."""
     batch = inputs.shape[1]
-    out = torch.baddbmm(per_batch(bias, batch).unsqueeze(-2), per_head_batches(inputs), per_batch(weight, batch))
+    out = torch.baddbmm(per_batch(bias, batch).view(-1, 1, bias.shape[-1]), per_head_batches(inputs),
+                        per_batch(weight, batch))
     return out.view(*inputs.shape[:-1], weight.shape[-1])
 
 
@@ -93,9 +96,9 @@ def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     """bias + scale·(weight · inputs) with each (layer, KV head)'s own weight vector and bias: inputs
     (L', batch, kv_heads, tokens, d), weight (L', kv_heads, d), bias (L', kv_heads) -> (L', batch, kv_heads, tokens).
     One batched product, weight-row × inputsᵀ (a product with a one-column right side is slower)."""
-    batch = inputs.shape[1]
-    rows = per_batch(weight, batch).unsqueeze(-2)
-    out = torch.baddbmm(per_batch(bias, batch)[:, None, None], rows, per_head_batches(inputs).transpose(-1, -2),
+    batch, dim = inputs.shape[1], inputs.shape[-1]
+    rows = per_batch(weight, batch).view(-1, 1, dim)
+    out = torch.baddbmm(per_batch(bias, batch).view(-1, 1, 1), rows, per_head_batches(inputs).transpose(-1, -2),
                         alpha=scale)
     return out.view(inputs.shape[:-1])
 
@@ -103,7 +106,7 @@ def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 def add_per_head_dot_(total: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``total`` (L', batch, kv_heads, tokens) += weight · inputs, in place, as :func:`per_head_dot` without a bias:
     the product and the sum in one operator. Returns ``total``."""
-    rows = per_batch(weight, inputs.shape[1]).unsqueeze(-2)
+    rows = per_batch(weight, inputs.shape[1]).view(-1, 1, inputs.shape[-1])
     total.view(-1, 1, total.shape[-1]).baddbmm_(rows, per_head_batches(inputs).transpose(-1, -2))
     return total
 
