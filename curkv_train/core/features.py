@@ -246,9 +246,9 @@ def future_moments(statistics: QueryStatistics, rotation: torch.Tensor, kv_heads
     ``quadratic`` (:meth:`QueryStatistics.moments`: at no cost), e.g. s and ½·s² for :func:`expected_logits`."""
     batch, dim = keys.shape[0], keys.shape[3]
     mean, covariance = statistics.moments(linear, quadratic)
-    mean = (mean @ rotation.T).view(batch, kv_heads, -1, dim)
-    covariance = (rotation @ covariance @ rotation.T).view(batch, kv_heads, -1, dim, dim)
-    return mean, covariance
+    covariance = covariance.view(-1, dim, dim)  # products of 2-D and 3-D views: no broadcasting's reshapes
+    turned = torch.bmm(rotation.expand_as(covariance), covariance).view(-1, dim) @ rotation.T
+    return (mean.view(-1, dim) @ rotation.T).view(batch, kv_heads, -1, dim), turned.view(batch, kv_heads, -1, dim, dim)
 
 
 def expected_logits(linear: torch.Tensor, quadratic: torch.Tensor, keys: torch.Tensor,
@@ -268,10 +268,11 @@ def expected_logits(linear: torch.Tensor, quadratic: torch.Tensor, keys: torch.T
     broadcasting the keys into the product instead copied them g times, and a separate sum cost a pass over it."""
     batch, kv_heads, group, dim = linear.shape
     rows = batch * kv_heads * keys.shape[2]
-    stacked = quadratic.reshape(batch, kv_heads, group * dim, dim).transpose(-1, -2)  # block g: quadraticᵀ = itself
-    projected = product(keys, stacked, precision).view(rows, group, dim)
-    terms = torch.baddbmm(product(keys, linear.transpose(-1, -2), precision).view(rows, 1, group),
-                          keys.reshape(rows, 1, dim), projected.transpose(1, 2))
+    per_head = keys.reshape(batch * kv_heads, -1, dim)  # 3-D products: no broadcasting's reshapes
+    stacked = quadratic.reshape(batch * kv_heads, group * dim, dim).transpose(1, 2)  # block g: quadraticᵀ = itself
+    projected = product(per_head, stacked, precision).view(rows, group, dim)
+    linear_terms = product(per_head, linear.reshape(batch * kv_heads, group, dim).transpose(1, 2), precision)
+    terms = torch.baddbmm(linear_terms.view(rows, 1, group), per_head.view(rows, 1, dim), projected.transpose(1, 2))
     return terms.view(batch, kv_heads, -1, group).transpose(2, 3)
 
 
