@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from curkv_train.core.observation import Observation, QueryStatistics
-from curkv_train.core.rope import average_rotation, rotary_tables, rotate
+from curkv_train.core.rope import average_rotation, rotary_module, rotary_tables, rotate
 from curkv_train.errors import CurKVError
 from curkv_train.kernels.dispatch import SUPPORTED_DTYPES, tileable_head_dim, triton_available
 
@@ -227,7 +227,7 @@ def future_rotation(model: PreTrainedModel, end: int, future_positions: int, hea
     """(head_dim, head_dim) RoPE averaged over [end, end + future_positions) (:func:`~curkv_train.core.rope.
     average_rotation`), kept on the model's rotary module for the last ``end`` asked: every layer of a
     compression round asks for the same one."""
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = rotary_module(model)
     if rotary is None:
         return average_rotation(model, end, future_positions, head_dim, like)
     key = (end, future_positions, head_dim, like.device, rotary.inv_freq.data_ptr(), rotary.inv_freq._version)
@@ -272,7 +272,7 @@ def expected_logits(linear: torch.Tensor, quadratic: torch.Tensor, keys: torch.T
     stacked = quadratic.reshape(batch * kv_heads, group * dim, dim).transpose(1, 2)  # block g: quadraticᵀ = itself
     projected = product(per_head, stacked, precision).view(rows, group, dim)
     linear_terms = product(per_head, linear.reshape(batch * kv_heads, group, dim).transpose(1, 2), precision)
-    terms = torch.baddbmm(linear_terms.view(rows, 1, group), per_head.view(rows, 1, dim), projected.transpose(1, 2))
+    terms = torch.baddbmm(linear_terms.view(rows, 1, group), per_head.reshape(rows, 1, dim), projected.transpose(1, 2))
     return terms.view(batch, kv_heads, -1, group).transpose(2, 3)
 
 

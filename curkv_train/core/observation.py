@@ -10,6 +10,7 @@ what the runtime cache records as tokens arrive.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -130,14 +131,28 @@ def observe_queries(queries: torch.Tensor, skip: int) -> Observation:
     return Observation(queries, positions, QueryStatistics.of(queries[:, :, min(skip, tokens):]))
 
 
+_DECODERS: "weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
+    """``model.get_decoder()``, looked up once per model: the lookup takes ~11 µs, and scoring a layer asked for it
+    several times (its rotary module, its attention modules) at every layer of every compression."""
+    if torch.compiler.is_compiling():  # traced: the lookup itself is compiled away
+        return model.get_decoder()
+    decoder = _DECODERS.get(model)
+    if decoder is None:
+        decoder = _DECODERS[model] = model.get_decoder()
+    return decoder
+
+
 def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The attention module of every decoder layer, in layer order."""
-    return [layer.self_attn for layer in model.get_decoder().layers]
+    return [layer.self_attn for layer in decoder_of(model).layers]
 
 
 def attention_module(model: PreTrainedModel, layer: int) -> torch.nn.Module:
     """The attention module of decoder layer ``layer``."""
-    return model.get_decoder().layers[layer].self_attn
+    return decoder_of(model).layers[layer].self_attn
 
 
 def pre_rope_queries(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,14 @@ from contextlib import contextmanager, nullcontext
 import torch
 from transformers import PreTrainedModel
 
+from curkv_train.core.observation import decoder_of
+
 KEY_VIEWS = ("pre_rope", "end_relative", "post_rope")
+
+
+def rotary_module(model: PreTrainedModel) -> torch.nn.Module | None:
+    """The decoder's rotary embedding module (``rotary_emb``), or None for a model without RoPE."""
+    return getattr(decoder_of(model), "rotary_emb", None)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +52,7 @@ def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.T
     ``positions`` is (tokens,) or has leading dims, e.g. (batch, kv_heads, tokens) when
     each head holds a different set of tokens.
     """
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = rotary_module(model)
     if rotary is None:
         return None
     with state_kept(rotary) if rescales(rotary) else nullcontext():
@@ -83,7 +90,7 @@ def pair_rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: to
     with the length in the module's forward), computed from them directly: half the sines and cosines,
     rounded to ``like``'s dtype as the module rounds them.
     """
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = rotary_module(model)
     if rotary is None:
         return None
     if rescales(rotary):
@@ -132,7 +139,7 @@ def inverse_pair_tables(model: PreTrainedModel, positions: torch.Tensor, like: t
     kept on the rotary module (:func:`position_table`): one gather per layer instead of the sines and cosines of
     every key. ``end``: a bound on the positions if the caller has one (tokens seen so far), else their largest + 1.
     """
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = rotary_module(model)
     if rotary is None:
         return None
     if rescales(rotary) or torch.compiler.is_compiling():  # compiled: fused in its graph, which a lookup breaks
@@ -154,7 +161,7 @@ def position_table(model: PreTrainedModel, end: int, like: torch.Tensor) -> torc
     """(P, head_dim) float32 with P >= ``end`` (a power of two): row p is [cos_p | sin_p] / (cos_p² + sin_p²) of
     :func:`pair_rotary_tables` at position p, for a rotary module whose frequencies are fixed. Kept on the module,
     grown when a longer sequence asks, remade if ``inv_freq`` changes."""
-    rotary = model.get_decoder().rotary_emb
+    rotary = rotary_module(model)
     frequencies = rotary.inv_freq
     key = (like.device, like.dtype, frequencies.data_ptr(), frequencies._version, rotary.attention_scaling)
     cached = getattr(rotary, "_curkv_position_table", None)

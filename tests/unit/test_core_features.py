@@ -63,6 +63,8 @@ def test_expected_logits_are_each_query_heads_gaussian_logits():
         scale * keys[0, h, j] @ mean[0, h, g] + 0.5 * scale**2 * keys[0, h, j] @ covariance[0, h, g] @ keys[0, h, j]
         for j in range(11)]) for g in range(3)]) for h in range(2)])[None]
     torch.testing.assert_close(features.expected_logits(scale * mean, 0.5 * scale**2 * covariance, keys), reference)
+    strided = torch.cat([keys, keys], dim=2)[:, :, :11]  # a cache's slice: heads do not merge with tokens
+    torch.testing.assert_close(features.expected_logits(scale * mean, 0.5 * scale**2 * covariance, strided), reference)
 
 
 def test_future_rotation_is_computed_once_per_end_and_matches_average_rotation(model):
