@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from curkv_train.core.rope import (average_rotation, key_view, pair_rotary_tables, position_table, rotary_tables,
-                                   rotate, rotate_half)
+from curkv_train.core.observation import decoder_of
+from curkv_train.core.rope import (average_rotation, key_view, pair_rotary_tables, position_table, rotary_module,
+                                   rotary_tables, rotate, rotate_half)
 from curkv_train.models.base import tiny_llama_config
 
 ROPES = [None, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
@@ -79,3 +80,18 @@ def test_the_pre_rope_views_table_grows_with_the_sequence_and_follows_the_freque
     model.model.rotary_emb.inv_freq.mul_(0.5)  # in place: the same tensor, a new version
     rotated = rotate(keys, *rotary_tables(model, positions, keys))
     torch.testing.assert_close(key_view(model, rotated, positions, "pre_rope", 3000), keys, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decoder_is_looked_up_once_per_model_and_keeps_no_model_alive():
+    import gc
+
+    from curkv_train.core import observation
+
+    model = llama(None)
+    assert decoder_of(model) is model.get_decoder() and rotary_module(model) is model.get_decoder().rotary_emb
+    model.get_decoder = lambda: pytest.fail("looked up again")
+    assert decoder_of(model) is model.model
+    before = len(observation._DECODERS)
+    del model
+    gc.collect()
+    assert len(observation._DECODERS) == before - 1
