@@ -15,7 +15,8 @@ of a plain prefill (DynamicCache), and of a prefill through CurKVCache (keep 0.5
 both computing the logits of the last token only (``logits_to_keep=1``, as ``generate`` does; kvpress's
 pipeline runs the base model without its head): the prefill a user's generation pays,
 split into what the cache adds: observing (the hooks' recording of queries / hidden states and
-the query statistics), scoring (features + estimator, ``CurKVCache._score``) and selecting
+the query statistics), scoring (features + estimator, ``CurKVCache._score`` for a layer scored alone and
+``CurKVCache._score_layers`` for a group of a prefill's layers) and selecting
 (top-k and compaction, the rest of ``CurKVLayer._evict``). Prints each as a share of the plain
 prefill (target: scoring <= 5 %; the medians over rounds, and the score share's range over them: a shared host's
 drifts move it by a point or more), and the whole overhead from prefills timed without the parts'
@@ -61,7 +62,8 @@ from timing import FAULTS, TIMERS, clock, product_ms, timed  # benchmarks/timing
 def instrumented() -> Iterator[None]:
     """Time observation, scoring and eviction inside CurKVCache while in the block (this process only)."""
     targets = [(CurKVLayer, "observe_queries", "observe"), (CurKVLayer, "observe_hidden", "observe"),
-               (CurKVLayer, "_evict", "evict"), (CurKVCache, "_score", "score")]
+               (CurKVLayer, "_evict", "evict"), (CurKVCache, "_score", "score"),
+               (CurKVCache, "_score_layers", "group_score")]
     originals = [getattr(owner, name) for owner, name, _ in targets]
     for owner, name, timer in targets:
         setattr(owner, name, timed(timer, getattr(owner, name)))
@@ -180,8 +182,11 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
         FAULTS.clear()
         with instrumented():  # apart: the timers wait for the GPU, which an uninstrumented prefill overlaps
             cached()
-        parts = {"observe": TIMERS["observe"], "score": TIMERS["score"], "select": TIMERS["evict"] - TIMERS["score"]}
-        rounds.append({"plain": plain_s, "cached": cached_s, **parts, "score_faults": FAULTS["score"]})
+        # a layer scored alone is scored inside its eviction; a group of layers, before theirs
+        parts = {"observe": TIMERS["observe"], "score": TIMERS["score"] + TIMERS["group_score"],
+                 "select": TIMERS["evict"] - TIMERS["score"]}
+        rounds.append({"plain": plain_s, "cached": cached_s, **parts,
+                       "score_faults": FAULTS["score"] + FAULTS["group_score"]})
     rounds = rounds[1:]  # the warm-up round
     plain_s = statistics.median([r["plain"] for r in rounds])
     parts = {k: statistics.median([r[k] for r in rounds]) for k in ("observe", "score", "select")}

@@ -53,6 +53,19 @@ class QueryStatistics:
         statistics.update(queries)
         return statistics
 
+    @classmethod
+    def stacked(cls, layers: list["QueryStatistics"]) -> "QueryStatistics":
+        """The statistics of several layers (each over the same count of queries) side by side, as batch rows: row
+        i·batch + b is layer i's row b, so one expected-attention pass serves them all."""
+        counts = {statistics.count for statistics in layers}
+        if len(counts) != 1:
+            raise ValueError(f"stacked statistics must count the same queries, got counts {sorted(counts)}")
+        statistics = cls()
+        statistics.count, statistics.square = layers[0].count, layers[0].square
+        statistics.total = torch.cat([each.total for each in layers])
+        statistics.outer = torch.cat([each.outer for each in layers])
+        return statistics
+
     def update(self, queries: torch.Tensor) -> None:
         """Add queries (batch, heads, tokens, head_dim)."""
         queries = queries.detach().float()

@@ -62,6 +62,10 @@ from curkv_train.runtime.tiers import TierSettings, check_whole
 
 log = logging.getLogger(__name__)
 
+# A prefill's first compressions are scored a group of layers at a time, as many as hold this many tokens: layer by
+# layer, scoring is tens of small operators whose cost hardly depends on the tokens below some thousands
+SCORING_BATCH_TOKENS = 4096
+
 
 def check_full_attention(model: PreTrainedModel) -> int | None:
     """CurKVError unless every layer of ``model`` attends fully; returns the sliding window its masks apply to every
@@ -137,6 +141,10 @@ class CurKVCache(Cache):
         scorer_precision: the scorer's :attr:`Scorer.matmul_precision` for this cache (``highest`` or
             ``medium``: bfloat16 operands in the query features' three attention-sized products); default
             the scorer's own (``highest`` unless set).
+        scoring_batch_tokens: a prefill's first compressions are scored several layers at a time, as many as hold
+            this many of its tokens (:meth:`Scorer.score_layers`; 4096: four layers at 1K tokens, two at 2K, one
+            beyond): the same scores, from fewer, larger operators. Until its group is scored a layer holds the whole prompt;
+            0 or 1 scores each layer as it runs.
     """
 
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
@@ -149,7 +157,7 @@ class CurKVCache(Cache):
                  compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
                  layer_budget: str | LayerBudget = "scorer", backend: str = "auto",
                  factored_attention: bool = True, compile_scorer: bool = False,
-                 scorer_precision: str | None = None) -> None:
+                 scorer_precision: str | None = None, scoring_batch_tokens: int = SCORING_BATCH_TOKENS) -> None:
         from curkv_train.runtime.attention import install_runtime_attention
         from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 
@@ -160,6 +168,11 @@ class CurKVCache(Cache):
         self.sliding_window = check_full_attention(model)
         scorer = scorer if scorer_precision is None else dataclasses.replace(scorer, matmul_precision=scorer_precision)
         self.scorer, self.model = scorer.compiled() if compile_scorer else scorer, model
+        check_whole("scoring_batch_tokens", scoring_batch_tokens)
+        if scoring_batch_tokens is None or scoring_batch_tokens < 0:
+            raise CurKVError(f"scoring_batch_tokens must be 0 or more, got {scoring_batch_tokens!r}")
+        self.scoring_batch_tokens = scoring_batch_tokens
+        self.awaiting: list[CurKVLayer] = []  # layers whose first compression waits for its group's scores
         window = scorer.window if window is None else window
         half = max(1, scorer.estimator.head_dim // 2)
         self.settings = TierSettings(
@@ -198,6 +211,45 @@ class CurKVCache(Cache):
         skip = scorer.estimator.statistics_skip if scorer.observation_window else 0
         return ObservationBuffer(scorer.observation_window, arrival, skip)
 
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache.update, and a prefill's first compressions scored a group of layers at a time (:meth:`score_awaiting`):
+        a layer's compression waits, its tokens held, until the group is full or the last layer has run."""
+        if self.awaiting and layer_idx <= self.awaiting[-1].layer_idx:  # a pass stopped before its last layer
+            self.score_awaiting()
+        layer, group = self.layers[layer_idx], self.scoring_group(key_states)
+        layer.defer_scoring = group > 1
+        out = super().update(key_states, value_states, layer_idx, cache_kwargs)
+        if layer.awaiting_scores:
+            self.awaiting.append(layer)
+        if self.awaiting and (len(self.awaiting) >= group or layer_idx == len(self.layers) - 1):
+            self.score_awaiting()
+        return out
+
+    def scoring_group(self, key_states: torch.Tensor) -> int:
+        """How many layers' compressions after an update of ``key_states`` (batch, kv_heads, new, head_dim) are scored
+        together: as many as hold ``scoring_batch_tokens`` of the new tokens, if the scorer can
+        (:meth:`Scorer.batches_layers`), else 1. A subclass that scores its own way (overrides ``_score``) is
+        scored layer by layer, through it."""
+        group = self.scoring_batch_tokens // max(1, key_states.shape[-2])
+        own_score = type(self)._score is not CurKVCache._score
+        return group if group > 1 and not own_score and self.scorer.batches_layers(key_states) else 1
+
+    def score_awaiting(self) -> None:
+        """Score the layers whose compressions wait (:attr:`awaiting`) in one pass, and let them compress."""
+        layers, self.awaiting = [layer for layer in self.awaiting if layer.awaiting_scores], []
+        if layers:
+            for layer, logits in zip(layers, self._score_layers(layers)):
+                layer.compress(logits)
+
+    def _score_layers(self, layers: list[CurKVLayer]) -> list[torch.Tensor]:
+        """Estimator logits (batch, kv_heads, tokens) of each of ``layers``, every one holding the tokens seen."""
+        return self.scorer.score_layers(self.model, [layer.layer_idx for layer in layers],
+                                        [layer.keys for layer in layers], [layer.values for layer in layers],
+                                        [layer.observer.observation() for layer in layers],
+                                        [layer.token_scores for layer in layers],
+                                        [layer.projected_keys for layer in layers])
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
                observation, token_scores, projected_keys: torch.Tensor | None = None) -> torch.Tensor:

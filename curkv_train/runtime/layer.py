@@ -65,6 +65,9 @@ class CurKVLayer(CacheLayerMixin):
         self.seen = self.compressible_seen = 0
         self.n_sink_held = self.n_warm = self.n_hot = 0
         self.projected_keys: torch.Tensor | None = None  # the coming update's pre-RoPE keys (observe_keys)
+        # Set by the cache for an update whose first compression it scores together with other layers' (a prefill):
+        # the compression then waits, its tokens held, until the cache hands it its scores (compress).
+        self.defer_scoring = self.awaiting_scores = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Empty dense tensors shaped like the first keys/values."""
@@ -130,9 +133,22 @@ class CurKVLayer(CacheLayerMixin):
             keys = torch.cat([cur.reconstruct(block.keys) for block in self.cold] + [keys], dim=-2)
             values = torch.cat([cur.reconstruct(block.values) for block in self.cold] + [values], dim=-2)
         if self._compression_due():
-            self.compress()
-        self.projected_keys = None
+            if self.defer_scoring and self._first_compression_scores():
+                self.awaiting_scores = True
+            else:
+                self.compress()
+        if not self.awaiting_scores:
+            self.projected_keys = None
         return keys, values
+
+    def _first_compression_scores(self) -> bool:
+        """Whether the compression due now is the first (every token seen is held, densely) and evicts, so scores
+        tokens: what the cache may score together with other layers' (:meth:`compress` with ``logits``)."""
+        settings = self.settings
+        aged = self.n_hot - settings.hot_tokens
+        if self.cold or self.keys.shape[-2] != self.seen or aged <= 0:
+            return False
+        return settings.target(self.compressible_seen + aged, self.seen, self.layer_idx) < self.n_warm + aged
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Add new tokens to the dense tensors; the first ``n_sink`` ever seen become sinks, the rest hot."""
@@ -166,8 +182,13 @@ class CurKVLayer(CacheLayerMixin):
         return self.n_hot - self.settings.hot_tokens >= self.settings.interval
 
     @torch.no_grad()
-    def compress(self) -> None:
-        """Move tokens past the hot tier into warm, keep the top ones by score, spill warm overflow to cold."""
+    def compress(self, logits: torch.Tensor | None = None) -> None:
+        """Move tokens past the hot tier into warm, keep the top ones by score, spill warm overflow to cold.
+
+        ``logits``: (batch, kv_heads, held) the held dense tokens' scores if the cache computed them (a compression
+        that waited for them, :attr:`awaiting_scores`); default: scored here."""
+        if logits is not None:  # the wait is over, and the keys it kept for the scores are read
+            self.awaiting_scores, self.projected_keys = False, None
         settings = self.settings
         aged = self.n_hot - settings.hot_tokens
         if aged <= 0:
@@ -179,7 +200,7 @@ class CurKVLayer(CacheLayerMixin):
         self._drop_cold_beyond(target)
         keep = max(0, target - self.cold_tokens)
         if keep < candidates:
-            self._evict(candidates, keep)
+            self._evict(candidates, keep, logits)
         self.n_warm = min(keep, candidates)
         if settings.cold and settings.ratio(self.seen, self.layer_idx) < 1.0:
             self._spill_to_cold()
@@ -195,15 +216,16 @@ class CurKVLayer(CacheLayerMixin):
             else:
                 self.cold[0] = ColdBlock(cur.drop_leading(oldest.keys, excess), cur.drop_leading(oldest.values, excess))
 
-    def _evict(self, candidates: int, keep: int) -> None:
+    def _evict(self, candidates: int, keep: int, logits: torch.Tensor | None = None) -> None:
         """Keep the ``keep`` best of the ``candidates`` warm tokens per head (select_kept + compress_kv):
         the newest ⌊recent_share·keep⌋ of them, and the best-scored of the rest.
 
         Every held dense token is scored (sinks and hot ones too, so a query-aware score sees
         the whole held cache), and only the candidates compete.
         """
-        logits = self.score_fn(self.layer_idx, self.keys, self.values, self.positions.long(), self.seen,
-                               self.observer.observation(), self.token_scores, self._projected_keys())
+        if logits is None:
+            logits = self.score_fn(self.layer_idx, self.keys, self.values, self.positions.long(), self.seen,
+                                   self.observer.observation(), self.token_scores, self._projected_keys())
         competing = compressible_mask(logits.shape[-1], self.n_sink_held, self.n_hot, device=logits.device)
         logits = logits.masked_fill(newest_places(competing, keep, self.settings.recent_share), float("inf"))
         # select_kept keeps ⌈ρ'·candidates⌉; ρ' = keep / candidates gives exactly ``keep``.

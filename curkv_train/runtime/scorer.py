@@ -8,8 +8,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from curkv_train.core.features import check_matmul_precision, future_rotation, output_gram
-from curkv_train.core.observation import Observation, attention_module, observe_queries, pre_rope_queries
+from curkv_train.core.features import check_matmul_precision, feature_backend, future_rotation, output_gram
+from curkv_train.core.observation import (Observation, QueryStatistics, attention_module, observe_queries,
+                                          pre_rope_queries)
 from curkv_train.core.rope import key_view
 from curkv_train.errors import CurKVError
 from curkv_train.models.estimator import EstimatorInputs
@@ -115,12 +116,7 @@ class Scorer:
             positions = torch.arange(keys.shape[2], device=keys.device)
         if end is None:
             end = int(positions.max()) + 1
-        if "query_features" in self.estimator.needs and observation is None:
-            raise CurKVError(f"a {self.family} scorer needs the observation window (the last "
-                             f"{self.observation_window} hidden states of layer {layer}); none was recorded")
-        if self.scores_on_arrival and token_scores is None:
-            raise CurKVError(f"a {self.family} scorer needs each token's stored score (from its hidden state) for "
-                             f"layer {layer}; none was recorded")
+        self._check_inputs(layer, observation, token_scores)
         self._follow(keys.device)
         module = attention_module(model, layer)
         gram = rotation = None
@@ -137,6 +133,63 @@ class Scorer:
         return self.layer_logits(model, module, layers, keys, values, positions, end,
                                  observation, token_scores, gram, rotation, viewed)
 
+    def _check_inputs(self, layer: int, observation: Observation | None, token_scores: torch.Tensor | None) -> None:
+        """A one-line CurKVError if layer ``layer`` lacks what this scorer's family reads besides K and V."""
+        if "query_features" in self.estimator.needs and observation is None:
+            raise CurKVError(f"a {self.family} scorer needs the observation window (the last "
+                             f"{self.observation_window} hidden states of layer {layer}); none was recorded")
+        if self.scores_on_arrival and token_scores is None:
+            raise CurKVError(f"a {self.family} scorer needs each token's stored score (from its hidden state) for "
+                             f"layer {layer}; none was recorded")
+
+    def batches_layers(self, keys: torch.Tensor) -> bool:
+        """Whether :meth:`score_layers` scores several layers holding keys like ``keys`` in one pass: an eager
+        scorer whose inputs hold no per-layer weights (the ‖W_O v‖ feature's, which the fused kernels of a CUDA
+        device also read)."""
+        if self.is_compiled:
+            return False
+        if "query_features" not in self.estimator.needs:
+            return True
+        return "output_norm" not in self.estimator.features and feature_backend("auto", keys, keys) == "torch"
+
+    @torch.no_grad()
+    def score_layers(self, model: PreTrainedModel, layers: list[int], keys: list[torch.Tensor],
+                     values: list[torch.Tensor], observations: list[Observation | None],
+                     token_scores: list[torch.Tensor | None],
+                     projected_keys: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Keep logits of several layers, each holding a prefill's first tokens (positions 0 .. tokens − 1): what
+        :meth:`score_layer` gives each, from one pass with the layers stacked along the batch of every operator
+        where :meth:`batches_layers` (layer by layer, a pass is tens of small operators, each costing as much as
+        its work on 1K tokens), else layer by layer. Arguments are per layer, as :meth:`score_layer`'s.
+
+        Returns:
+            (batch, kv_heads, tokens) float32 logits per layer.
+        """
+        modules = [attention_module(model, layer) for layer in layers]
+        if not self.batches_layers(keys[0]) or len({getattr(module, "scaling", None) for module in modules}) > 1:
+            return [self.score_layer(model, *inputs) for inputs in
+                    zip(layers, keys, values, [None] * len(layers), [None] * len(layers), observations, token_scores,
+                        projected_keys)]
+        for layer, observation, scores in zip(layers, observations, token_scores):
+            self._check_inputs(layer, observation, scores)
+        self._follow(keys[0].device)
+        end = keys[0].shape[2]
+        observation = None if observations[0] is None else Observation(
+            torch.cat([each.queries for each in observations]), observations[0].positions,
+            QueryStatistics.stacked([each.statistics for each in observations]))
+        rotation = None
+        if "query_features" in self.estimator.needs:
+            rotation = future_rotation(model, end, self.estimator.future_positions, keys[0].shape[-1], keys[0])
+        viewed = None
+        if self.key_view == "pre_rope" and all(each is not None for each in projected_keys):
+            viewed = torch.cat(projected_keys).float()
+        consecutive = layers == list(range(layers[0], layers[-1] + 1))
+        rows = slice(layers[0], layers[-1] + 1) if consecutive else torch.tensor(layers, device=keys[0].device)
+        logits = self.layer_logits(model, modules[0], rows, torch.cat(keys), torch.cat(values),
+                                   torch.arange(end, device=keys[0].device), end, observation,
+                                   None if token_scores[0] is None else torch.cat(token_scores), None, rotation, viewed)
+        return list(logits.view(len(layers), -1, *logits.shape[1:]).unbind(0))
+
     def layer_logits(self, model: PreTrainedModel, module: nn.Module, layers: torch.Tensor | slice,
                      keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
                      observation: Observation | None,
@@ -146,17 +199,25 @@ class Scorer:
         module is ``module`` and index ``layers`` (a (1,) tensor, or a slice of one layer): what :meth:`compiled`
         compiles, in one graph when the layer's :func:`~curkv_train.core.features.output_gram` and the round's
         :func:`~curkv_train.core.features.future_rotation` come in as ``gram`` and ``rotation``; ``viewed_keys``: the keys
-        in the scorer's key view if the caller has them. Returns (batch, kv_heads, tokens) float32 logits."""
+        in the scorer's key view if the caller has them. Returns (batch, kv_heads, tokens) float32 logits.
+
+        ``layers`` may also pick L' layers (:meth:`score_layers`) whose inputs are stacked along the batch, layer i's
+        batch rows first: their logits come back stacked the same way, (L'·batch, kv_heads, tokens)."""
+        count = layers.stop - layers.start if isinstance(layers, slice) else layers.numel()
+
+        def per_layer(tensor: torch.Tensor) -> torch.Tensor:  # (L'·batch, ...) -> (L', batch, ...)
+            return tensor.view(count, -1, *tensor.shape[1:])
+
         features = None
         if "query_features" in self.estimator.needs:
-            features = self.estimator.query_features(model, module, keys, values, positions, end, observation,
-                                                     gram, rotation, self.matmul_precision)[None]
+            features = per_layer(self.estimator.query_features(model, module, keys, values, positions, end, observation,
+                                                               gram, rotation, self.matmul_precision))
         if viewed_keys is None:
             viewed_keys = key_view(model, keys, positions, self.key_view, end)
-        inputs = EstimatorInputs(viewed_keys[None], values.float()[None],
-                                 positions, end, query_features=features,
-                                 token_scores=None if token_scores is None else token_scores[None])
-        return self.estimator(inputs, layers=layers)[0]
+        inputs = EstimatorInputs(per_layer(viewed_keys), per_layer(values.float()), positions, end,
+                                 query_features=features,
+                                 token_scores=None if token_scores is None else per_layer(token_scores))
+        return self.estimator(inputs, layers=layers).flatten(0, 1)
 
     @property
     def is_compiled(self) -> bool:

@@ -166,7 +166,7 @@ def test_keep_ratio_is_the_share_of_every_token_seen_held_after_a_compression(mo
     cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, layer_budget="uniform", backend="torch")
     layer, after = cache.layers[0], []
     compress = layer.compress
-    layer.compress = lambda: (compress(), after.append((layer.seen, cache.held_tokens(0))))
+    layer.compress = lambda *scores: (compress(*scores), after.append((layer.seen, cache.held_tokens(0))))
     decode(model, prompt(300), cache, 6 * WINDOW, lambda: None)
     assert len(after) >= 3
     assert all(held == math.ceil(keep_ratio * seen - 1e-9) for seen, held in after)
@@ -178,7 +178,7 @@ def test_decoding_compresses_once_per_interval(model, scorer, compress_every):
     layer = cache.layers[0]
     calls = []
     compress = layer.compress
-    layer.compress = lambda: (calls.append(layer.seen), compress())
+    layer.compress = lambda *scores: (calls.append(layer.seen), compress(*scores))
     held = []
     decode(model, prompt(200), cache, 6 * WINDOW, lambda: held.append(cache.held_tokens(0)))
     interval = compress_every * WINDOW

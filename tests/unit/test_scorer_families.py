@@ -43,7 +43,8 @@ def training_logits(scorer, ids):
 
 
 def cache_logits(scorer, model, ids, **options):
-    """What CurKVCache (``options`` its keywords) scores at its first compression, right after the prefill."""
+    """What CurKVCache (``options`` its keywords) scores at its first compression, right after the prefill (one
+    layer at a time, or a group of layers at a time)."""
     cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch", **options)
     seen = {}
     original = cache._score
@@ -52,6 +53,13 @@ def cache_logits(scorer, model, ids, **options):
         seen[layer] = original(layer, *args, **kwargs)
         return seen[layer]
 
+    def batched_spy(layers):  # a prefill's first compressions, scored a group of layers at a time
+        logits = batched(layers)
+        seen.update({layer.layer_idx: each for layer, each in zip(layers, logits)})
+        return logits
+
+    batched = cache._score_layers
+    cache._score_layers = batched_spy
     for layer in cache.layers:
         layer.score_fn = spy
     with torch.no_grad():
