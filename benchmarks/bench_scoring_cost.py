@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
        [--random-weights] [--layers N] [--compile] [--skip-features NAMES] [--feature-backend auto]
-       [--scorer-precision highest]
+       [--scorer-precision highest] [--scoring-batch-tokens 4096]
 
 ``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
 that family (timing does not depend on the weights). ``--random-weights`` builds the base from its
@@ -54,6 +54,7 @@ from curkv_train.models.base import freeze, load_base_model
 from curkv_train.models.configs import load_model_config
 from curkv_train.models.estimators import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
+from curkv_train.runtime.cache import SCORING_BATCH_TOKENS
 from curkv_train.runtime.layer import CurKVLayer
 from timing import FAULTS, TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
 
@@ -158,11 +159,12 @@ def seconds(run: Callable[[], None]) -> float:
     return clock() - start
 
 
-def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
+def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int = SCORING_BATCH_TOKENS) -> dict:
     """Plain and CurKVCache prefill times and the cache's parts for one context length.
 
-    Each of ``repeats`` rounds (after one warm-up round) runs a plain prefill, a CurKVCache prefill and
-    an instrumented one back to back, so drifts of a shared machine hit all three alike; medians over rounds.
+    Each of ``repeats`` rounds (after one warm-up round) runs a plain prefill, a CurKVCache prefill
+    (``batch_tokens``: its ``scoring_batch_tokens``) and an instrumented one back to back, so drifts of a shared
+    machine hit all three alike; medians over rounds.
     """
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     ids = ids.to(model.device)
@@ -173,7 +175,8 @@ def measure(model, scorer: Scorer, context: int, repeats: int) -> dict:
 
     def cached() -> None:
         with torch.no_grad():
-            model(ids, past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False), logits_to_keep=1)
+            model(ids, past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False,
+                                                  scoring_batch_tokens=batch_tokens), logits_to_keep=1)
 
     rounds = []
     for _ in range(repeats + 1):
@@ -217,6 +220,8 @@ def main() -> None:
                         "timed as constants (what scoring would cost without them)")
     parser.add_argument("--feature-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="who computes the query features' attention-sized parts (auto: Triton on CUDA, eager)")
+    parser.add_argument("--scoring-batch-tokens", type=int, default=SCORING_BATCH_TOKENS,
+                        help="CurKVCache's scoring_batch_tokens: a prefill's layers scored together (0: one at a time)")
     parser.add_argument("--scorer-precision", default="highest", choices=["highest", "medium"],
                         help="the query features' products: float32 (highest) or from bfloat16 operands (medium)")
     args = parser.parse_args()
@@ -240,7 +245,8 @@ def main() -> None:
     print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")
     rows = []
     for context in map(int, args.contexts.split(",")):
-        row = {**measure(model, scorer, context, args.repeats), "compiled": args.compile, "skipped_features": skipped,
+        row = {**measure(model, scorer, context, args.repeats, args.scoring_batch_tokens), "compiled": args.compile,
+               "scoring_batch_tokens": args.scoring_batch_tokens, "skipped_features": skipped,
                "feature_backend": args.feature_backend}
         rows.append(row)
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "

@@ -128,7 +128,12 @@ class ObservationBuffer:
         if self.ring is None or not self.statistics.count:
             return None
         positions = self._window_positions()
-        return Observation(self.ring[:, :, positions % self.window], positions, self.statistics)
+        oldest = positions.shape[0] and (self.seen - positions.shape[0]) % self.window  # the slot of the oldest
+        # oldest first: the ring's first slots as they are (a view) where the oldest sits in slot 0, as after a
+        # prefill of a whole number of windows, else its two runs joined
+        ring = self.ring.narrow(2, 0, positions.shape[0]) if oldest == 0 else \
+            torch.cat([self.ring[:, :, oldest:], self.ring[:, :, :oldest]], dim=2)
+        return Observation(ring, positions, self.statistics)
 
     def nbytes(self) -> int:
         """Bytes held by the recorded window and the query statistics."""
