@@ -249,7 +249,7 @@ class CurKVCache(Cache):
                                         [layer.keys for layer in layers], [layer.values for layer in layers],
                                         [layer.observer.observation() for layer in layers],
                                         [layer.token_scores for layer in layers],
-                                        [layer.projected_keys for layer in layers])
+                                        [layer.held_projected_keys() for layer in layers])
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
                observation, token_scores, projected_keys: torch.Tensor | None = None) -> torch.Tensor:

@@ -89,10 +89,10 @@ class CurKVLayer(CacheLayerMixin):
 
     def observe_keys(self, keys: torch.Tensor) -> None:
         """Record the pre-RoPE keys (batch, kv_heads, new, head_dim) of the tokens the next update appends, until it
-        has run (:meth:`_projected_keys`)."""
+        has run (:meth:`held_projected_keys`)."""
         self.projected_keys = keys
 
-    def _projected_keys(self) -> torch.Tensor | None:
+    def held_projected_keys(self) -> torch.Tensor | None:
         """The recorded pre-RoPE keys if they are every held dense token's (a first update, as in a prefill), else
         None."""
         keys = self.projected_keys
@@ -225,7 +225,7 @@ class CurKVLayer(CacheLayerMixin):
         """
         if logits is None:
             logits = self.score_fn(self.layer_idx, self.keys, self.values, self.positions.long(), self.seen,
-                                   self.observer.observation(), self.token_scores, self._projected_keys())
+                                   self.observer.observation(), self.token_scores, self.held_projected_keys())
         competing = compressible_mask(logits.shape[-1], self.n_sink_held, self.n_hot, device=logits.device)
         logits = logits.masked_fill(newest_places(competing, keep, self.settings.recent_share), float("inf"))
         # select_kept keeps ⌈ρ'·candidates⌉; ρ' = keep / candidates gives exactly ``keep``.

@@ -82,6 +82,24 @@ def test_a_prefill_scored_in_groups_keeps_what_layer_by_layer_scoring_keeps(mode
     assert small == []
 
 
+def test_a_prompt_fed_in_chunks_scored_in_groups_keeps_what_layer_by_layer_scoring_keeps(model):
+    """The first compression may come with a chunk shorter than what the layers hold: the chunk's projected keys
+    are not all the held keys' then, and the group turns the cached keys back."""
+    scorer = family_scorer("query_aware", features=LEAN)
+    ids = torch.randint(3, 512, (1, 112), generator=torch.Generator().manual_seed(4))
+    caches = []
+    for tokens in (4096, 0):
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch",
+                           scoring_batch_tokens=tokens)
+        with torch.no_grad():
+            for chunk in ids.split(16, dim=1):
+                model(chunk, past_key_values=cache)
+        caches.append(cache)
+    for mine, reference in zip(*(cache.layers for cache in caches)):
+        assert mine.compressible_seen and torch.equal(mine.positions, reference.positions)
+        assert torch.equal(mine.keys, reference.keys)
+
+
 def test_a_layer_left_waiting_by_a_pass_that_stopped_is_scored_before_the_next_one(model):
     scorer = family_scorer("query_aware", features=LEAN)
     cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
