@@ -271,6 +271,10 @@ def expected_logits(linear: torch.Tensor, quadratic: torch.Tensor, keys: torch.T
     per_head = keys.reshape(batch * kv_heads, -1, dim)  # 3-D products: no broadcasting's reshapes
     stacked = quadratic.reshape(batch * kv_heads, group * dim, dim).transpose(1, 2)  # block g: quadraticᵀ = itself
     projected = product(per_head, stacked, precision).view(rows, group, dim)
+    if torch.compiler.is_compiling():  # the compiler fuses the linear term and the dot into one pass over the product
+        heads = batch * kv_heads
+        terms = (projected.view(heads, -1, group, dim) + linear.reshape(heads, 1, group, dim)) * per_head.unsqueeze(2)
+        return terms.sum(-1).view(batch, kv_heads, -1, group).transpose(2, 3)
     linear_terms = product(per_head, linear.reshape(batch * kv_heads, group, dim).transpose(1, 2), precision)
     terms = torch.baddbmm(linear_terms.view(rows, 1, group), per_head.reshape(rows, 1, dim), projected.transpose(1, 2))
     return terms.view(batch, kv_heads, -1, group).transpose(2, 3)

@@ -86,6 +86,8 @@ def per_batch(weight: torch.Tensor, batch: int) -> torch.Tensor:
 def per_head_affine(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Each (layer, KV head)'s own affine map: inputs (L', batch, kv_heads, tokens, d) by weight (L', kv_heads, d, k)
     plus bias (L', kv_heads, k) -> (L', batch, kv_heads, tokens, k). One batched product with the bias added in it."""
+    if torch.compiler.is_compiling():  # the compiler fuses a product and a sum it sees apart, not a baddbmm
+        return inputs @ weight.unsqueeze(1) + bias[:, None, :, None, :]
     batch = inputs.shape[1]
     out = torch.baddbmm(per_batch(bias, batch).view(-1, 1, bias.shape[-1]), per_head_batches(inputs),
                         per_batch(weight, batch))
@@ -96,6 +98,8 @@ def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     """bias + scale·(weight · inputs) with each (layer, KV head)'s own weight vector and bias: inputs
     (L', batch, kv_heads, tokens, d), weight (L', kv_heads, d), bias (L', kv_heads) -> (L', batch, kv_heads, tokens).
     One batched product, weight-row × inputsᵀ (a product with a one-column right side is slower)."""
+    if torch.compiler.is_compiling():  # as in per_head_affine
+        return scale * head_dots(inputs, weight) + bias[:, None, :, None]
     batch, dim = inputs.shape[1], inputs.shape[-1]
     rows = per_batch(weight, batch).view(-1, 1, dim)
     out = torch.baddbmm(per_batch(bias, batch).view(-1, 1, 1), rows, per_head_batches(inputs).transpose(-1, -2),
@@ -105,10 +109,18 @@ def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 
 def add_per_head_dot_(total: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``total`` (L', batch, kv_heads, tokens) += weight · inputs, in place, as :func:`per_head_dot` without a bias:
-    the product and the sum in one operator. Returns ``total``."""
+    the product and the sum in one operator. Returns ``total`` (compiled: a new tensor)."""
+    if torch.compiler.is_compiling():  # as in per_head_affine
+        return total + head_dots(inputs, weight)
     rows = per_batch(weight, inputs.shape[1]).view(-1, 1, inputs.shape[-1])
     total.view(-1, 1, total.shape[-1]).baddbmm_(rows, per_head_batches(inputs).transpose(-1, -2))
     return total
+
+
+def head_dots(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight · inputs per (layer, KV head), (L', batch, kv_heads, tokens), as a broadcast product: the form a compiled
+    scorer fuses with the sums around it."""
+    return (weight[:, None, :, None, :] @ inputs.transpose(-1, -2)).squeeze(-2)
 
 
 def init_bias(shape: tuple[int, ...], init_keep: float) -> nn.Parameter:
@@ -183,7 +195,7 @@ class ValueEstimator(nn.Module):
         keys, values = inputs.keys.float(), inputs.values.float()
         logits = per_head_dot(keys, self.key_weight[layers], self.bias[layers], scale=self.head_dim**-0.5)
         hidden = per_head_affine(values, self.value_in[layers], self.value_in_bias[layers])
-        add_per_head_dot_(logits, torch.relu_(hidden), self.value_out[layers])
+        logits = add_per_head_dot_(logits, torch.relu_(hidden), self.value_out[layers])
         features = self.position_features(inputs.positions.to(keys.device), inputs.end)  # (n, F) or (b, h, n, F)
         features = features.expand(*keys.shape[:3], *features.shape[-2:])
         return add_per_head_dot_(logits, features, self.position_weight[layers])
