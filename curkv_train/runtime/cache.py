@@ -143,8 +143,8 @@ class CurKVCache(Cache):
             the scorer's own (``highest`` unless set).
         scoring_batch_tokens: a prefill's first compressions are scored several layers at a time, as many as hold
             this many of its tokens (:meth:`Scorer.score_layers`; 4096: four layers at 1K tokens, two at 2K, one
-            beyond): the same scores, from fewer, larger operators. Until its group is scored a layer holds the whole prompt;
-            0 or 1 scores each layer as it runs.
+            beyond): the same scores, from fewer, larger operators. Until its group is scored a layer holds the
+            whole prompt; 0 or 1 scores each layer as it runs.
     """
 
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
@@ -210,7 +210,6 @@ class CurKVCache(Cache):
         arrival = functools.partial(scorer.token_scores, layer) if scorer.scores_on_arrival else None
         skip = scorer.estimator.statistics_skip if scorer.observation_window else 0
         return ObservationBuffer(scorer.observation_window, arrival, skip)
-
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
