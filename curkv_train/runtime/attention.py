@@ -105,11 +105,9 @@ def record_queries(projection: torch.nn.Module, args: tuple[Any, ...], output: t
     """Forward hook of an attention module's query projection (``q_norm`` if it has one, else ``q_proj``):
     hands the layer recorded by :func:`record_cache_layer` the queries it just projected, pre-RoPE,
     as (batch, heads, new, head_dim) — the statistics then cost no extra projection."""
-    attention = getattr(projection, ATTENTION_ATTRIBUTE)()
-    layer = None if attention is None else cache_layer_of(attention)
+    layer, heads = projected_heads(projection, output)
     if layer is not None:
-        batch, tokens = output.shape[0], output.shape[1]
-        layer.observe_queries(output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2))
+        layer.observe_queries(heads)
 
 
 def record_keys(projection: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -117,11 +115,20 @@ def record_keys(projection: torch.nn.Module, args: tuple[Any, ...], output: torc
     recorded layer the keys it just projected, pre-RoPE, as (batch, kv_heads, new, head_dim) — a view, kept only
     until the layer's update: a prefill's first compression reads its pre_rope key view from them instead of
     turning every cached key back."""
+    layer, heads = projected_heads(projection, output)
+    if layer is not None:
+        layer.observe_keys(heads)
+
+
+def projected_heads(projection: torch.nn.Module, output: torch.Tensor) -> tuple[CurKVLayer | None, torch.Tensor | None]:
+    """The cache layer recorded for ``projection``'s attention module (:func:`record_cache_layer`), and the
+    projection's output (batch, new, heads · head_dim) as (batch, heads, new, head_dim); (None, None) without one."""
     attention = getattr(projection, ATTENTION_ATTRIBUTE)()
     layer = None if attention is None else cache_layer_of(attention)
-    if layer is not None:
-        batch, tokens = output.shape[0], output.shape[1]
-        layer.observe_keys(output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2))
+    if layer is None:
+        return None, None
+    batch, tokens = output.shape[0], output.shape[1]
+    return layer, output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2)
 
 
 def check_within_window(window: int | None, held: int, new: int) -> None:
