@@ -217,7 +217,10 @@ class CurKVCache(Cache):
         a layer's compression waits, its tokens held, until the group is full or the last layer has run."""
         if self.awaiting and layer_idx <= self.awaiting[-1].layer_idx:  # a pass stopped before its last layer
             self.score_awaiting()
-        layer, group = self.layers[layer_idx], self.scoring_group(key_states)
+        layer = self.layers[layer_idx]
+        # only a first compression is scored in a group: a layer that has compressed needs no group (a decoding step
+        # then asks the scorer nothing)
+        group = 1 if layer.compressible_seen else self.scoring_group(key_states)
         layer.defer_scoring = group > 1
         out = super().update(key_states, value_states, layer_idx, cache_kwargs)
         if layer.awaiting_scores:
