@@ -52,7 +52,7 @@ from curkv_train.core import features
 from curkv_train.core.shapes import kv_shape
 from curkv_train.models.base import freeze, load_base_model
 from curkv_train.models.configs import load_model_config
-from curkv_train.models.estimators import build_estimator
+from curkv_train.models.families import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, load_scorer
 from curkv_train.runtime.cache import SCORING_BATCH_TOKENS
 from curkv_train.runtime.layer import CurKVLayer

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from curkv_train.objective import TrainingSettings
-from curkv_train.system import CurKVModule
+from curkv_train.training.objective import TrainingSettings
+from curkv_train.training.system import CurKVModule
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -3,7 +3,7 @@
 LightningCLI builds the root parser (jsonargparse) and its subcommands:
 
 - ``fit`` and ``validate``: LightningCLI's own (trainer, model and data options from their
-  signatures), plus ``--recipe NAME`` (:class:`~curkv_train.recipes.ActionRecipe`) and the
+  signatures), plus ``--recipe NAME`` (:class:`~curkv_train.training.recipes.ActionRecipe`) and the
   callbacks every run needs (``--checkpoint.*``, ``--throughput.*``, ``--loss_guard``,
   ``--output_guard.*``; a recipe sets them under the same keys);
 - ``export``, ``eval``, ``compare``, ``calibrate``, ``plan`` and ``recipes``: the options of a function's signature and
@@ -21,15 +21,18 @@ import sys
 import warnings
 from argparse import ArgumentError
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from curkv_train.errors import CurKVError
-from curkv_train.recipes import ActionRecipe
+from curkv_train.core.errors import CurKVError
+from curkv_train.training.recipes import ActionRecipe
+
+if TYPE_CHECKING:
+    from curkv_train.training.plan import Plan
 
 PROG = "curkv-train"
 DESCRIPTION = "Train, evaluate and ship the value estimator of value-guided KV-cache compression."
@@ -63,12 +66,12 @@ class FunctionCommand:
 
 
 FUNCTION_COMMANDS = {
-    "export": FunctionCommand("curkv_train.export:export"),
+    "export": FunctionCommand("curkv_train.training.export:export"),
     "eval": FunctionCommand("curkv_train.eval.cli:run_eval", run="curkv_train.eval.cli:main"),
     "compare": FunctionCommand("curkv_train.eval.compare:compare"),
     "calibrate": FunctionCommand("curkv_train.eval.calibrate:calibrate", run="curkv_train.eval.calibrate:main"),
-    "plan": FunctionCommand("curkv_train.plan:plan_command"),
-    "recipes": FunctionCommand("curkv_train.recipes:print_recipes"),
+    "plan": FunctionCommand("curkv_train.cli:plan_command"),
+    "recipes": FunctionCommand("curkv_train.training.recipes:print_recipes"),
 }
 
 
@@ -118,9 +121,9 @@ class CurKVCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """The callbacks every run needs, each under its own key, and the model/data links."""
-        from curkv_train.callbacks.checkpoint import LastStepCheckpoint
-        from curkv_train.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard
-        from curkv_train.callbacks.throughput import TokenThroughput
+        from curkv_train.training.callbacks.checkpoint import LastStepCheckpoint
+        from curkv_train.training.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard
+        from curkv_train.training.callbacks.throughput import TokenThroughput
 
         for key, callback in (("checkpoint", LastStepCheckpoint), ("throughput", TokenThroughput),
                               ("loss_guard", NonFiniteLossGuard), ("output_guard", OutputSpaceGuard)):
@@ -173,7 +176,7 @@ class CurKVCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """Check the output folders before Lightning creates any (a one-line error, not a traceback)."""
-        from curkv_train.callbacks.guards import check_before_fit
+        from curkv_train.training.callbacks.guards import check_before_fit
 
         check_before_fit(self.trainer)
         self.resolve_last_checkpoint()
@@ -183,10 +186,10 @@ class CurKVCLI(LightningCLI):
 
     def resolve_last_checkpoint(self) -> None:
         """``--ckpt_path last``: the newest earlier run's ``last.ckpt``, which Lightning would look for in the new run's
-        empty folder (:func:`~curkv_train.callbacks.checkpoint.last_checkpoint_of_earlier_runs`)."""
+        empty folder (:func:`~curkv_train.training.callbacks.checkpoint.last_checkpoint_of_earlier_runs`)."""
         from lightning.pytorch.utilities import rank_zero_info
 
-        from curkv_train.callbacks.checkpoint import last_checkpoint_of_earlier_runs
+        from curkv_train.training.callbacks.checkpoint import last_checkpoint_of_earlier_runs
 
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") == "last" and (found := last_checkpoint_of_earlier_runs(self.trainer)):
@@ -200,13 +203,57 @@ def build_cli(args: list[str], run: bool = True) -> CurKVCLI:
     ``run=True`` parses a subcommand and runs it. ``run=False`` parses ``fit``'s options and
     builds model, data and trainer without running (a leading ``fit`` is dropped).
     """
-    from curkv_train.data.datamodule import CurKVDataModule
-    from curkv_train.system import CurKVModule
+    from curkv_train.training.data.datamodule import CurKVDataModule
+    from curkv_train.training.system import CurKVModule
 
     if not run and args[:1] == ["fit"]:
         args = args[1:]
     return CurKVCLI(CurKVModule, CurKVDataModule, args=args, run=run, save_config_kwargs={"overwrite": True},
                     parser_kwargs={"prog": PROG, "description": DESCRIPTION, "exit_on_error": False})
+
+
+def parse_recipe(recipe: str, overrides: list[str] | None = None):
+    """The recipe's resolved config (``--recipe``, then ``overrides``) through the real CLI parser.
+
+    Nothing is instantiated: no model, no data, no trainer (so no GPU is needed).
+    """
+    from curkv_train.training.data.datamodule import CurKVDataModule
+    from curkv_train.training.system import CurKVModule
+
+    class ParseOnlyCLI(CurKVCLI):
+        def instantiate_classes(self) -> None:
+            """Parsing is all a plan needs."""
+
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        return ParseOnlyCLI(CurKVModule, CurKVDataModule, args=["--recipe", recipe, *(overrides or [])],
+                            run=False).config
+    finally:
+        seed_log.setLevel(level)
+
+
+def plan_command(recipe: str, devices: int | None = None, num_nodes: int | None = None,
+                 batch_size: int | None = None, json: bool = False) -> "Plan":
+    """Size one training step of a recipe per GPU, without a GPU; print it as a table or JSON.
+
+    Args:
+        recipe: recipe name (see ``curkv-train recipes``) or a YAML path.
+        devices: GPUs per node (default: the recipe's trainer.devices).
+        num_nodes: nodes (default: the recipe's trainer.num_nodes).
+        batch_size: blocks per GPU (default: the recipe's data.batch_size).
+        json: print JSON instead of a table.
+    """
+    overrides = [f"--trainer.{name}={value}" for name, value in (("devices", devices), ("num_nodes", num_nodes))
+                 if value is not None]
+    if batch_size is not None:
+        overrides.append(f"--data.batch_size={batch_size}")
+    from curkv_train.training.plan import compute_plan, format_plan, plan_json
+
+    plan = compute_plan(recipe, parse_recipe(recipe, overrides))
+    print(plan_json(plan) if json else format_plan(plan))
+    return plan
 
 
 def _not_a_tip(record: logging.LogRecord) -> bool:

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from curkv_train.kernels.dispatch import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
+from curkv_train.kernels.limits import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
 from curkv_train.kernels.reference import Factors
 from curkv_train.kernels.scored_attention_triton import (
     _dot,

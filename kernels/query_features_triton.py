@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from curkv_train.kernels.dispatch import check_head_dim
+from curkv_train.kernels.limits import check_head_dim
 from curkv_train.kernels.scored_attention_triton import _dot, _interpreting
 
 BLOCK_TOKENS = {"cuda": 64, "interpret": 16}

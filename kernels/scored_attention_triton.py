@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from curkv_train.kernels.dispatch import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
+from curkv_train.kernels.limits import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
 
 # Block sizes under the interpreter (CPU), capped by the problem size; on CUDA the
 # kernels are autotuned over the configs below unless the caller fixes the blocks.

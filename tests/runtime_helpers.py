@@ -2,7 +2,7 @@
 
 import torch
 
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.seed_estimator import ValueEstimator
 from curkv_train.runtime import Scorer
 
 
@@ -23,7 +23,7 @@ def family_scorer(family: str, key_view: str = "pre_rope", n_sink: int = 4, wind
     """A scorer of ``family`` for the tiny Llama whose every term is random (no term is silently zero);
     ``options``: the family's other constructor arguments."""
     from curkv_train.core.shapes import KVShape
-    from curkv_train.models.estimators import build_estimator
+    from curkv_train.models.families import build_estimator
 
     torch.manual_seed(1)
     shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, num_attention_heads=4, max_positions=2048,

@@ -34,8 +34,8 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import average_rotation, rotary_module, rotary_tables, rotate
-from curkv_train.errors import CurKVError
-from curkv_train.kernels.dispatch import SUPPORTED_DTYPES, tileable_head_dim, triton_available
+from curkv_train.core.errors import CurKVError
+from curkv_train.kernels.limits import SUPPORTED_DTYPES, tileable_head_dim, triton_available
 
 QUERY_FEATURES = ("window_attention", "expected_attention", "value_norm", "output_norm")
 EPSILON = 1e-6

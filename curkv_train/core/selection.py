@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.kernels import compact_kept
 
 ADAPTIVE = "adaptive"

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import PretrainedConfig
+
+from curkv_train.core.errors import CurKVError
 
 
 @dataclass(frozen=True)
@@ -50,3 +53,24 @@ def kv_shape(config: PretrainedConfig) -> KVShape:
         max_positions=getattr(text, "max_position_embeddings", None),
         hidden_size=text.hidden_size,
     )
+
+
+def check_unpadded(attention_mask: torch.Tensor | None) -> None:
+    """A CurKVError when the model's 4D mask (batch, 1, queries, keys) hides a past key from a row's last query,
+    or a 2D padding mask (batch, keys), as a user passes it (and flash attention's mask function keeps it),
+    has a 0.
+
+    Without padding the last query of every row sees every key (causal); a padded (left- or
+    right-) batch hides its padding, which per-head compression (CurKVCache's compaction, the
+    training passes' key biases) cannot follow.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() not in (2, 4):
+        return
+    if attention_mask.dim() == 2:
+        hidden = attention_mask == 0
+    else:
+        last = attention_mask[:, :, -1, :]
+        hidden = ~last if last.dtype == torch.bool else last < torch.finfo(last.dtype).min / 2
+    if bool(hidden.any()):
+        raise CurKVError("compressed attention does not support padded batches (the attention mask hides tokens of a row); "
+                         "run one sequence per cache, or batch sequences of equal length without padding")

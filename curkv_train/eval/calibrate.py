@@ -25,9 +25,9 @@ import torch
 from transformers import PreTrainedModel
 
 from curkv_train.core.atomic import write_atomic
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.cached import plain_cache
-from curkv_train.eval.cli import FloatList
+from curkv_train.eval.lists import FloatList
 from curkv_train.eval.scorers import scorer_base, scorer_fallback
 from curkv_train.eval.stream_rows import StreamRun
 from curkv_train.eval.streaming import stream_document
@@ -55,7 +55,7 @@ def calibration_documents(tokenizer, recipe: DataRecipe, *, length: int, per_sou
     """(1, length) token blocks of the training split of every document source of ``recipe`` (a synthetic
     task counts as its filler, :class:`~curkv_train.eval.tasks.DataRecipe`), ``per_source`` of each, spread
     evenly over its stream."""
-    from curkv_train.data.tokenized import token_stream
+    from curkv_train.training.data.tokenized import token_stream
 
     blocks = []
     for source in recipe.sources:

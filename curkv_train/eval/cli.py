@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from jsonargparse.typing import register_type
 
 from curkv_train.core.shapes import text_config
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.harness import EvalSettings, evaluate
+from curkv_train.eval.lists import FloatList, IntList, NameList
 from curkv_train.eval.heldout import training_hashes
 from curkv_train.eval.methods import (
     BASELINES,
@@ -60,28 +60,6 @@ ALL_TASKS = (*TASKS, *STREAM_TASKS)
 
 DEFAULT_BASE = "embedded:smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class FloatList(list):
-    """Comma-separated numbers, e.g. ``0.3,0.5,0.7``."""
-
-
-class IntList(list):
-    """Comma-separated integers, e.g. ``512,1024``."""
-
-
-class NameList(list):
-    """Comma-separated names, e.g. ``ppl_text,passkey``."""
-
-
-def _items(value) -> list:
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    return [item.strip() if isinstance(item, str) else item for item in items if str(item).strip()]
-
-
-register_type(FloatList, serializer=lambda v: ",".join(map(str, v)), deserializer=lambda v: FloatList(map(float, _items(v))))
-register_type(IntList, serializer=lambda v: ",".join(map(str, v)), deserializer=lambda v: IntList(map(int, _items(v))))
-register_type(NameList, serializer=lambda v: ",".join(v), deserializer=lambda v: NameList(map(str, _items(v))))
 
 
 def run_eval(

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from curkv_train.errors import CurKVError
-from curkv_train.eval.cli import NameList
+from curkv_train.core.errors import CurKVError
+from curkv_train.eval.lists import NameList
 from curkv_train.eval.metrics import finalize, total
 from curkv_train.eval.statistics import Bootstrap, example_sums, paired_difference, verdict
 from curkv_train.eval.stream_rows import FULL

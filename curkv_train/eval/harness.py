@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.core.shapes import kv_shape
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.clock import clock
 from curkv_train.eval import kvpress_bridge
 from curkv_train.eval.compressed import (

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from curkv_train.data.corpora import documents, split_of
-from curkv_train.errors import CurKVError
+from curkv_train.training.data.corpora import documents, split_of
+from curkv_train.core.errors import CurKVError
 
 SPAN = 50
 PYTHON_TEXT = "python_text"
@@ -41,7 +41,7 @@ class DocumentSource:
     Attributes:
         kind: document source kind (stdlib, pydoc, files, hub); a synthetic task's filler.
         val_fraction: share of document ids in the validation split (:func:`split_of`).
-        path, name, text_field, limit: as in :class:`curkv_train.data.datamodule.DataSource`.
+        path, name, text_field, limit: as in :class:`curkv_train.training.data.datamodule.DataSource`.
     """
 
     kind: str
@@ -52,7 +52,7 @@ class DocumentSource:
     limit: int | None = None
 
     def arguments(self) -> dict:
-        """Keyword arguments of :func:`curkv_train.data.tokenized.token_stream` for this source."""
+        """Keyword arguments of :func:`curkv_train.training.data.tokenized.token_stream` for this source."""
         return {"val_fraction": self.val_fraction, "path": self.path, "name": self.name,
                 "text_field": self.text_field, "limit": self.limit}
 
@@ -78,8 +78,8 @@ def training_hashes(tokenizer, sources: list[DocumentSource], span: int = SPAN) 
     machine, is reported, not fatal: the evaluation text is local (stdlib, pydoc) and the
     caller records what went unchecked.
     """
-    from curkv_train.data.tokenized import token_stream
-    from curkv_train.errors import EmptySplitError
+    from curkv_train.training.data.tokenized import token_stream
+    from curkv_train.core.errors import EmptySplitError
 
     parts, unchecked = [], []
     for source in dict.fromkeys(sources):

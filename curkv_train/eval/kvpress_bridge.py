@@ -44,7 +44,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.core.observation import attention_modules
 from curkv_train.core.selection import expected_kept
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.clock import clock
 
 

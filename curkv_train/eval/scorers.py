@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.methods import CURKV
 from curkv_train.runtime.scorer import Scorer
 
@@ -59,7 +59,7 @@ def parse_scorers(spec: str) -> list[ScorerEntry]:
         CurKVError: an empty entry or label, a label used twice, two bare entries, ``none`` among
             others, or ``init:`` with an unknown family.
     """
-    from curkv_train.models.estimators import check_family
+    from curkv_train.models.families import check_family
 
     items = [item.strip() for item in str(spec).split(",")]
     if [item.lower() for item in items] == [NONE]:
@@ -134,7 +134,7 @@ def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -
     It records ``model``'s fingerprint, so the runtime cache accepts it without a warning.
     """
     from curkv_train.core.shapes import kv_shape
-    from curkv_train.models.estimators import build_estimator
+    from curkv_train.models.families import build_estimator
     from curkv_train.runtime.serialization import model_fingerprint
 
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.metrics import finalize, total
 
 LOWER_IS_BETTER = frozenset({"ppl_increase_pct", "ppl", "kl", "nll"})

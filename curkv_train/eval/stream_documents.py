@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.heldout import PYTHON_TEXT, DocumentSource, HeldOutDocument, held_out_documents
 
 # task -> the document source kind it reads

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from curkv_train.core.selection import check_keep_ratio
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval import kvpress_bridge
 from curkv_train.eval.cached import RecencyCache, plain_cache
 from curkv_train.eval.methods import CURKV_UNIFORM

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from curkv_train.data.synthetic import SYNTHETIC_TASKS, passkey, repeated_span
-from curkv_train.errors import CurKVError
+from curkv_train.training.data.synthetic import SYNTHETIC_TASKS, passkey, repeated_span
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.heldout import (
     PYTHON_TEXT,
     DocumentSource,
@@ -136,7 +136,7 @@ class DataRecipe:
 
 def _document_source(entry: dict) -> DocumentSource:
     """A recipe's ``data.sources`` entry (plain or jsonargparse ``init_args``) as the documents it reads."""
-    from curkv_train.data.datamodule import DataSource
+    from curkv_train.training.data.datamodule import DataSource
 
     arguments = entry.get("init_args", entry) if isinstance(entry, dict) else None
     try:

@@ -13,7 +13,7 @@ import torch
 from transformers.utils import logging as hf_logging
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.embedded import EMBEDDED_MODELS, embedded_model_dir
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from curkv_train.core.shapes import KVShape, kv_shape  # noqa: F401  (re-exported for plan)
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, freeze, hub_reachable, resolve_model_source, tiny_llama_config
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from curkv_train.core.atomic import atomic_folder
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from curkv_train.models.estimator import EstimatorInputs, init_bias
+from curkv_train.models.seed_estimator import EstimatorInputs, init_bias
 
 
 class HiddenStateEstimator(nn.Module):

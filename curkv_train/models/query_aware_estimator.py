@@ -19,8 +19,8 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.features import QUERY_FEATURES, check_feature_names, query_features
 from curkv_train.core.observation import Observation
-from curkv_train.errors import CurKVError
-from curkv_train.models.estimator import EstimatorInputs, ValueEstimator, add_per_head_dot_, per_head_affine
+from curkv_train.core.errors import CurKVError
+from curkv_train.models.seed_estimator import EstimatorInputs, ValueEstimator, add_per_head_dot_, per_head_affine
 
 # rule -> weights on QUERY_FEATURES (log scores, so a sum is a product of the rule's factors)
 INIT_RULES = {

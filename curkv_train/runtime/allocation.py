@@ -21,7 +21,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 # below this a measured sensitivity counts as this (a layer whose loss did not move still gets a share)
 LEAST_SENSITIVITY = 1e-4

@@ -24,7 +24,7 @@ dense copy of a cold block); otherwise it calls the wrapped implementation uncha
 so a cache without cold blocks attends exactly as before. Any other attention
 implementation is left alone and the cache reconstructs its cold blocks as before.
 
-This module imports no training code (no Lightning, no ``curkv_train.attention``).
+This module imports no training code (no Lightning, no ``curkv_train.training.scored_attention``).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from curkv_train.attention import check_unpadded
+from curkv_train.core.shapes import check_unpadded
 from curkv_train.core.observation import attention_modules
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.kernels import factored_attention
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.layer import CurKVLayer

@@ -53,7 +53,7 @@ from transformers.cache_utils import Cache
 from curkv_train.core.observation import QueryStatistics
 from curkv_train.core.selection import ADAPTIVE, check_keep_ratio
 from curkv_train.core.shapes import kv_shape, text_config
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.runtime.allocation import LayerBudget, resolve_layer_budget
 from curkv_train.runtime.layer import CurKVLayer
 from curkv_train.runtime.observer import ObservationBuffer

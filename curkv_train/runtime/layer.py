@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from curkv_train.core.selection import compress_kv, compressible_mask, kept_count, newest_places, select_kept
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.runtime import cur
 from curkv_train.runtime.buffer import buffer_of, buffered
 from curkv_train.runtime.observer import ObservationBuffer

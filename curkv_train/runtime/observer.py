@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from curkv_train.core.observation import Observation, QueryStatistics
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.runtime.buffer import writable
 
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.features import check_matmul_precision
 from curkv_train.core.selection import compressible_mask
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.runtime.allocation import LayerBudget, check_layer_budget_choice, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.scorer import Scorer

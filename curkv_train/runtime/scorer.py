@@ -12,14 +12,14 @@ from curkv_train.core.features import check_matmul_precision, feature_backend, f
 from curkv_train.core.observation import (Observation, QueryStatistics, attention_module, observe_queries,
                                           pre_rope_queries)
 from curkv_train.core.rope import key_view
-from curkv_train.errors import CurKVError
-from curkv_train.models.estimator import EstimatorInputs
+from curkv_train.core.errors import CurKVError
+from curkv_train.models.seed_estimator import EstimatorInputs
 from curkv_train.runtime.allocation import LayerBudget
 
 
 @dataclass
 class Scorer:
-    """An estimator (any family of :mod:`curkv_train.models.estimators`) with the settings it was trained under.
+    """An estimator (any family of :mod:`curkv_train.models.families`) with the settings it was trained under.
 
     Attributes:
         estimator: the trained network.

@@ -22,8 +22,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from curkv_train.core.atomic import atomic_folder
 from curkv_train.core.shapes import kv_shape, text_config
-from curkv_train.errors import CurKVError
-from curkv_train.models.estimators import CLASS_FAMILIES, ESTIMATORS, check_family
+from curkv_train.core.errors import CurKVError
+from curkv_train.models.families import CLASS_FAMILIES, ESTIMATORS, check_family
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 

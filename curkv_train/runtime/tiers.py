@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass
 
 from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, check_recent_share, kept_count, share_of_compressible
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
 from curkv_train.runtime.allocation import LayerBudget

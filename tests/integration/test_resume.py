@@ -19,7 +19,7 @@ STAGES = [
 
 
 def config(ckpt_dir, kill_after: int | None = None) -> dict:
-    callbacks = [{"class_path": "curkv_train.callbacks.curriculum.Curriculum", "init_args": {"stages": STAGES}}]
+    callbacks = [{"class_path": "curkv_train.training.callbacks.curriculum.Curriculum", "init_args": {"stages": STAGES}}]
     if kill_after is not None:
         callbacks.insert(0, {"class_path": "killer.KillAtStep", "init_args": {"step": kill_after}})
     return {"trainer": {"max_steps": MAX_STEPS, "limit_val_batches": 0, "logger": False,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curkv_train.objective import TrainingSettings
-from curkv_train.system import CurKVModule
+from curkv_train.training.objective import TrainingSettings
+from curkv_train.training.system import CurKVModule
 
 # fp32 base: the backends differ only in accumulation order (fused online softmax vs
 # einsum). Measured: |loss difference| ~2e-8 (the KL is ~1e-4 to 1e-3), gradient
@@ -82,7 +82,7 @@ def test_distill_loss_and_estimator_grads_match(modules, hard):
 def test_continuation_kv_gradients_matter(modules, monkeypatch):
     """Guard against a vacuous parity test: without dK/dV (the continuation's K/V detached
     in the student attention) the KL gradients move far beyond GRAD_REL."""
-    import curkv_train.attention as attention
+    import curkv_train.training.scored_attention as attention
 
     torch_module, _ = modules
     full = distill_step(torch_module, hard=False)["kl_grads"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.calibrate import calibrate
 from curkv_train.models.base import TINY_RANDOM
 from curkv_train.runtime.serialization import load_scorer, save_scorer

@@ -9,7 +9,7 @@ import pytest
 
 from curkv_train.cli import main
 from curkv_train.eval.cli import run_eval
-from curkv_train.recipes import list_recipes
+from curkv_train.training.recipes import list_recipes
 
 # Subcommand -> options its --help must list (all generated from signatures and docstrings).
 HELP_PAGES = {

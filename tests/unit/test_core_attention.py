@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from curkv_train.attention import CompressionState, curkv_attention_forward, patch_model
+from curkv_train.training.scored_attention import CompressionState, curkv_attention_forward, patch_model
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 
 
@@ -61,7 +61,7 @@ def test_a_padded_batch_is_masked_in_full_mode_and_refused_when_compressed():
     """The padding mask reaches the curkv function (transformers passed none without a mask function)."""
     from transformers import DynamicCache
 
-    from curkv_train.errors import CurKVError
+    from curkv_train.core.errors import CurKVError
 
     patched, reference = patch_model(load_base_model(TINY_RANDOM)), load_base_model(TINY_RANDOM)
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))

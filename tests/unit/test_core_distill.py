@@ -5,9 +5,9 @@ import torch
 
 from curkv_train.core.rope import key_view
 from curkv_train.core.selection import compressible_mask, kept_count, newest_places
-from curkv_train.models.capture import prefill_context
-from curkv_train.objective import TrainingSettings, chunked_kl, hard_keep_mask, keep_bias
-from curkv_train.system import CurKVModule
+from curkv_train.training.capture import prefill_context
+from curkv_train.training.objective import TrainingSettings, chunked_kl, hard_keep_mask, keep_bias
+from curkv_train.training.system import CurKVModule
 
 
 @pytest.fixture()

@@ -5,7 +5,7 @@ import torch
 
 from curkv_train.core import features
 from curkv_train.core.rope import average_rotation
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 
 def naive_window_mass(queries, keys, positions, query_positions):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from curkv_train.callbacks.curriculum import Curriculum, Stage
-from curkv_train.errors import CurKVError
-from curkv_train.objective import TrainingSettings
+from curkv_train.training.callbacks.curriculum import Curriculum, Stage
+from curkv_train.core.errors import CurKVError
+from curkv_train.training.objective import TrainingSettings
 
 STAGES = [
     Stage(steps=2, context_length=96, continuation_length=8, warm_start=True),

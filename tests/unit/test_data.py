@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from curkv_train.data.corpora import split_of
-from curkv_train.data.datamodule import CurKVDataModule, DataSource
-from curkv_train.data.synthetic import kv_lookup, passkey, repeated_span
-from curkv_train.errors import CurKVError
+from curkv_train.training.data.corpora import split_of
+from curkv_train.training.data.datamodule import CurKVDataModule, DataSource
+from curkv_train.training.data.synthetic import kv_lookup, passkey, repeated_span
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_tokenizer
 
 
@@ -121,7 +121,7 @@ def test_a_filler_array_gives_the_blocks_its_list_gives(builder, tokenizer):
 
 
 def test_file_ids_and_so_splits_do_not_depend_on_how_the_folder_is_named(tmp_path, monkeypatch):
-    from curkv_train.data.corpora import local_files
+    from curkv_train.training.data.corpora import local_files
 
     (tmp_path / "corpus" / "sub").mkdir(parents=True)
     for index in range(5):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 
-from curkv_train.data.corpora import STDLIB_EXCLUDED, python_docs, stdlib_code
-from curkv_train.data.tokenized import token_stream
+from curkv_train.training.data.corpora import STDLIB_EXCLUDED, python_docs, stdlib_code
+from curkv_train.training.data.tokenized import token_stream
 from curkv_train.models.base import TINY_RANDOM, load_tokenizer
 
 SPAN_WORDS = 30

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from curkv_train.attention import patch_model
+from curkv_train.training.scored_attention import patch_model
 from curkv_train.core.features import head_output_norms
 from curkv_train.core.selection import compressible_mask
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.models.capture import prefill_context, reconstruction_target
-from curkv_train.models.estimators import FAMILIES
-from curkv_train.objective import TrainingSettings, dense_loss
-from curkv_train.system import CurKVModule
+from curkv_train.training.capture import prefill_context, reconstruction_target
+from curkv_train.models.families import FAMILIES
+from curkv_train.training.objective import TrainingSettings, dense_loss
+from curkv_train.training.system import CurKVModule
 
 CONTEXT, PROMPT = 40, 5
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from curkv_train.models.estimator import add_per_head_dot_, per_head_affine, per_head_dot
+from curkv_train.models.seed_estimator import add_per_head_dot_, per_head_affine, per_head_dot
 
 
 def inputs_and_weights(batch: int, transposed: bool):

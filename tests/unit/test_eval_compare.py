@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.compare import compare, compare_methods
 
 EXAMPLES = 40

@@ -14,7 +14,7 @@ from curkv_train.eval.methods import METHODS
 from curkv_train.eval.report import write_run
 from curkv_train.eval.tasks import TASKS
 from curkv_train.models.base import TINY_RANDOM
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.seed_estimator import ValueEstimator
 from curkv_train.runtime.scorer import Scorer
 
 SMALL = ["--context_length", "128", "--continuation_length", "48", "--examples", "2", "--passkey_lengths", "128",

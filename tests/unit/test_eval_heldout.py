@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
-from curkv_train.data.corpora import documents, split_of
+from curkv_train.training.data.corpora import documents, split_of
 from curkv_train.eval.heldout import SPAN, DocumentSource, held_out_text, span_hashes, training_hashes, unseen_pieces
 from curkv_train.eval.tasks import DEFAULT_SOURCES, STREAM_KINDS, DataRecipe, load_streams
 from curkv_train.models.base import TINY_RANDOM, load_tokenizer
@@ -81,7 +81,7 @@ def test_the_recipe_of_the_scorer_sets_the_split():
     metadata = {"training": {"config": {"data": {"sources": [
         {"kind": "stdlib", "val_fraction": 0.2, "weight": 0.5},
         {"kind": "passkey", "filler": "pydoc", "val_fraction": 0.25},
-        {"class_path": "curkv_train.data.datamodule.DataSource", "init_args": {"kind": "pydoc", "val_fraction": 0.4}},
+        {"class_path": "curkv_train.training.data.datamodule.DataSource", "init_args": {"kind": "pydoc", "val_fraction": 0.4}},
     ]}}}}
     recipe = DataRecipe.of_scorer(metadata)
     assert recipe.origin == "scorer recipe"
@@ -96,7 +96,7 @@ def test_the_recipe_of_the_scorer_sets_the_split():
 
 
 def test_a_recipe_entry_the_eval_cannot_read_is_one_line():
-    from curkv_train.errors import CurKVError
+    from curkv_train.core.errors import CurKVError
 
     with pytest.raises(CurKVError, match="data source the evaluation cannot read"):
         DataRecipe.of_scorer({"training": {"config": {"data": {"sources": [{"kind": "stdlib", "colour": "red"}]}}}})

@@ -10,7 +10,7 @@ kvpress = pytest.importorskip("kvpress")
 from curkv_train.core.observation import attention_modules  # noqa: E402
 from curkv_train.core.selection import expected_kept  # noqa: E402
 from curkv_train.core.shapes import kv_shape  # noqa: E402
-from curkv_train.errors import CurKVError  # noqa: E402
+from curkv_train.core.errors import CurKVError  # noqa: E402
 from curkv_train.eval import kvpress_bridge  # noqa: E402
 from curkv_train.eval.compressed import cache_from_layers, continuation_logits  # noqa: E402
 from curkv_train.eval.harness import EvalSettings, evaluate  # noqa: E402

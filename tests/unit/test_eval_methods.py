@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.context import LayerContext
 from curkv_train.eval.methods import (
     METHODS,

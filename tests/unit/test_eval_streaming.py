@@ -11,7 +11,7 @@ import pytest
 import torch
 from runtime_helpers import family_scorer, random_scorer
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.cached import RecencyCache, held_bytes, plain_cache
 from curkv_train.eval.heldout import PYTHON_TEXT, HeldOutDocument, python_text_documents
 from curkv_train.eval.metrics import token_nll
@@ -209,7 +209,7 @@ def test_documents_are_cut_longest_first_and_name_their_sources():
 
 
 def test_python_text_is_long_prose_no_training_source_reads():
-    from curkv_train.data.corpora import stdlib_code
+    from curkv_train.training.data.corpora import stdlib_code
 
     found = {document["id"] for document in python_text_documents()}
     assert f"{PYTHON_TEXT}/idlelib/NEWS.txt" in found and f"{PYTHON_TEXT}/LICENSE.txt" in found

@@ -5,11 +5,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from curkv_train.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard, check_output_folder
+from curkv_train.training.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard, check_output_folder
 from curkv_train.cli import main
-from curkv_train.data.datamodule import CurKVDataModule, DataSource
-from curkv_train.errors import CurKVError
-from curkv_train.system import CurKVModule
+from curkv_train.training.data.datamodule import CurKVDataModule, DataSource
+from curkv_train.core.errors import CurKVError
+from curkv_train.training.system import CurKVModule
 
 BAD_STEP = 2
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import tiny_llama_config
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.seed_estimator import ValueEstimator
 from curkv_train.runtime import Scorer, model_fingerprint, save_scorer
-from curkv_train.system import CurKVModule
+from curkv_train.training.system import CurKVModule
 
 
 def exported(tmp_path, key_view: str = "pre_rope", layers: int = 2):

@@ -10,7 +10,7 @@ import torch
 
 from curkv_train.core import features
 from curkv_train.core.observation import Observation, QueryStatistics
-from curkv_train.kernels.dispatch import tileable_head_dim
+from curkv_train.kernels.limits import tileable_head_dim
 from curkv_train.kernels.query_features_triton import merge_row_partials, query_feature_parts_triton
 
 

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from curkv_train.errors import CurKVError
-from curkv_train.export import export
+from curkv_train.core.errors import CurKVError
+from curkv_train.training.export import export
 from curkv_train.models.base import TINY_RANDOM, tiny_llama_config
-from curkv_train.models.estimator import ValueEstimator
-from curkv_train.objective import EVICTED_WEIGHT, BudgetController, TrainingSettings, keep_bias, streaming_keep_bias
+from curkv_train.models.seed_estimator import ValueEstimator
+from curkv_train.training.objective import EVICTED_WEIGHT, BudgetController, TrainingSettings, keep_bias, streaming_keep_bias
 from curkv_train.runtime import Scorer, load_scorer, model_fingerprint, save_scorer
 from curkv_train.runtime.allocation import LayerBudget
-from curkv_train.system import CurKVModule
+from curkv_train.training.system import CurKVModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BUDGET = LayerBudget((0.1, 5.0), exponent=1.0)  # layer 1 is the sensitive one: it keeps more

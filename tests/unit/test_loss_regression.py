@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import curkv_train.system as system
+import curkv_train.training.system as system
 from curkv_train.cli import build_cli
 
 STEPS = 8

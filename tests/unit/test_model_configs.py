@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config, shipped_model_ids
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.seed_estimator import ValueEstimator
 
 LLAMA2_70B = "meta-llama/Llama-2-70b-hf"
 LLAMA2_7B = "meta-llama/Llama-2-7b-hf"

@@ -4,8 +4,12 @@ import json
 
 import pytest
 
-from curkv_train.cli import main
-from curkv_train.plan import compute_plan
+from curkv_train.cli import main, parse_recipe
+from curkv_train.training.plan import compute_plan
+
+
+def plan_of(recipe: str, overrides: list[str] | None = None):
+    return compute_plan(recipe, parse_recipe(recipe, overrides))
 
 LLAMA2_70B_PARAMETERS = 68_976_648_192
 ESTIMATOR_70B_PARAMETERS = 2_750_080
@@ -13,7 +17,7 @@ ESTIMATOR_70B_PARAMETERS = 2_750_080
 
 @pytest.fixture(scope="module")
 def plan_70b():
-    return compute_plan("llama2-70b")
+    return plan_of("llama2-70b")
 
 
 def test_llama2_70b_kv_is_320_kib_per_token_in_bf16(plan_70b):
@@ -43,18 +47,18 @@ def test_llama2_70b_per_gpu_bytes_by_hand(plan_70b):
 
 
 def test_more_nodes_shard_further_and_double_the_tokens():
-    plan = compute_plan("llama2-70b", ["--trainer.num_nodes=2"])
+    plan = plan_of("llama2-70b", ["--trainer.num_nodes=2"])
     assert plan.world_size == 16 and plan.weight_bytes == LLAMA2_70B_PARAMETERS * 2 // 16
     assert plan.tokens_per_step == 16 * 4096
 
 
 def test_reference_attention_path_keeps_the_probabilities(plan_70b):
-    plan = compute_plan("llama2-70b", ["--model.backend=torch"])
+    plan = plan_of("llama2-70b", ["--model.backend=torch"])
     assert plan.activation_bytes - plan_70b.activation_bytes == 64 * 512 * (4096 - 1) * 4
 
 
 def test_llama2_7b_replicates_under_ddp():
-    plan = compute_plan("llama2-7b")
+    plan = plan_of("llama2-7b")
     assert (plan.strategy, plan.activation_checkpointing) == ("ddp", False)
     assert plan.weight_bytes == 6_738_415_616 * 2 and plan.gathered_weight_bytes == 0
     assert plan.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2

@@ -3,12 +3,12 @@
 import pytest
 import yaml
 
-from curkv_train.callbacks.checkpoint import LastStepCheckpoint
-from curkv_train.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard
-from curkv_train.callbacks.throughput import TokenThroughput
+from curkv_train.training.callbacks.checkpoint import LastStepCheckpoint
+from curkv_train.training.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard
+from curkv_train.training.callbacks.throughput import TokenThroughput
 from curkv_train.cli import build_cli
-from curkv_train.plan import parse_recipe
-from curkv_train.recipes import list_recipes, recipe_dir
+from curkv_train.cli import parse_recipe
+from curkv_train.training.recipes import list_recipes, recipe_dir
 from recipe_flags import hardware_flags
 
 RUN_CALLBACKS = {"checkpoint", "throughput", "loss_guard", "output_guard"}  # keys the CLI registers

@@ -7,8 +7,8 @@ import lightning as L
 import pytest
 import torch
 
-from curkv_train.callbacks.checkpoint import LastStepCheckpoint
-from curkv_train.data.sampling import BlockSampler, ResumableLoader
+from curkv_train.training.callbacks.checkpoint import LastStepCheckpoint
+from curkv_train.training.data.sampling import BlockSampler, ResumableLoader
 
 
 class Blocks:
@@ -67,7 +67,7 @@ def test_ckpt_path_last_of_a_logger_given_its_version_is_left_to_lightning(tmp_p
 
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from curkv_train.callbacks.checkpoint import last_checkpoint_of_earlier_runs
+    from curkv_train.training.callbacks.checkpoint import last_checkpoint_of_earlier_runs
 
     for version in ("version_0", "version_3", "exp1"):
         (tmp_path / "lightning_logs" / version / "checkpoints").mkdir(parents=True)
@@ -87,8 +87,8 @@ def test_resuming_warns_of_settings_given_otherwise_than_the_checkpoints(recwarn
     from dataclasses import asdict
 
     from curkv_train.models.base import TINY_RANDOM
-    from curkv_train.objective import TrainingSettings
-    from curkv_train.system import SETTINGS_KEY, CurKVModule
+    from curkv_train.training.objective import TrainingSettings
+    from curkv_train.training.system import SETTINGS_KEY, CurKVModule
 
     module = CurKVModule(base_model=TINY_RANDOM, window=16, keep_ratio=0.3)
     with pytest.warns(UserWarning, match=r"checkpoint's training settings keep_ratio 0.5 \(given: 0.3\)"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from curkv_train.core.selection import share_of_compressible
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import CurKVCache
 from curkv_train.runtime.allocation import LayerBudget

@@ -151,7 +151,7 @@ def test_flex_attention_with_a_layer_budget_is_one_error_and_runs_with_one_ratio
     """flex_attention's one block mask, sized for layer 0, failed in the first layer holding another count."""
     from transformers import LlamaForCausalLM
 
-    from curkv_train.errors import CurKVError
+    from curkv_train.core.errors import CurKVError
     from curkv_train.models.base import tiny_llama_config
 
     config = tiny_llama_config()

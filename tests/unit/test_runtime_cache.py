@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.models.estimator import ValueEstimator
+from curkv_train.models.seed_estimator import ValueEstimator
 from curkv_train.runtime import CurKVCache, Scorer
 from runtime_helpers import family_scorer, random_scorer
 

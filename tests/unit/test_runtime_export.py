@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from curkv_train.cli import main as cli_main
-from curkv_train.errors import CurKVError
-from curkv_train.export import export
+from curkv_train.core.errors import CurKVError
+from curkv_train.training.export import export
 from curkv_train.models.base import TINY_RANDOM, load_base_model, tiny_llama_config
 from curkv_train.runtime import CurKVCache, load_scorer, model_fingerprint, save_scorer
 from curkv_train.runtime.serialization import CONFIG_FILE, WEIGHTS_FILE
@@ -18,7 +18,7 @@ from curkv_train.runtime.serialization import CONFIG_FILE, WEIGHTS_FILE
 
 @pytest.fixture(scope="module")
 def module():
-    from curkv_train.system import CurKVModule
+    from curkv_train.training.system import CurKVModule
 
     module = CurKVModule(base_model=TINY_RANDOM, window=16, keep_ratio=0.4, temperature=0.5)
     module.configure_model()
@@ -177,8 +177,8 @@ def test_export_records_the_family_and_the_last_stage_settings(family, tmp_path,
     hyper-parameters' defaults."""
     from dataclasses import asdict
 
-    from curkv_train.objective import TrainingSettings
-    from curkv_train.system import SETTINGS_KEY, CurKVModule
+    from curkv_train.training.objective import TrainingSettings
+    from curkv_train.training.system import SETTINGS_KEY, CurKVModule
 
     module = CurKVModule(base_model=TINY_RANDOM, window=16, estimator=family, keep_ratio=0.5, temperature=1.0)
     module.configure_model()
@@ -202,8 +202,8 @@ def test_export_records_the_family_and_the_last_stage_settings(family, tmp_path,
 def test_a_sampled_last_stage_records_the_middle_of_its_keep_ratios(tmp_path):
     from dataclasses import asdict
 
-    from curkv_train.objective import TrainingSettings
-    from curkv_train.system import SETTINGS_KEY, CurKVModule
+    from curkv_train.training.objective import TrainingSettings
+    from curkv_train.training.system import SETTINGS_KEY, CurKVModule
 
     module = CurKVModule(base_model=TINY_RANDOM, window=16, keep_ratio=0.5)
     module.configure_model()
@@ -220,8 +220,8 @@ def test_a_sampled_last_stage_records_the_middle_of_its_keep_ratios(tmp_path):
 
 def test_a_last_stage_inheriting_a_range_records_its_middle(tmp_path):
     """The last stage sets neither keep_ratio nor compression_range: it draws from the earlier stage's range."""
-    from curkv_train.callbacks.curriculum import Curriculum, Stage
-    from curkv_train.system import SETTINGS_KEY, CurKVModule
+    from curkv_train.training.callbacks.curriculum import Curriculum, Stage
+    from curkv_train.training.system import SETTINGS_KEY, CurKVModule
 
     module = CurKVModule(base_model=TINY_RANDOM, window=16, keep_ratio=0.5)
     module.configure_model()
@@ -246,7 +246,7 @@ def test_logged_metrics_stop_at_the_checkpoints_step(tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from curkv_train.export import logged_metrics
+    from curkv_train.training.export import logged_metrics
 
     class Counting(L.LightningModule):
         def __init__(self) -> None:

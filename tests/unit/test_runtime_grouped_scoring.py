@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from curkv_train.core.rope import KEY_VIEWS
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.runtime import CurKVCache
 from runtime_helpers import family_scorer
 

@@ -6,9 +6,9 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3
 
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.shapes import kv_shape
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.models.estimators import build_estimator
+from curkv_train.models.families import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer
 from runtime_helpers import random_scorer
 

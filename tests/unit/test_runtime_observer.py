@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from curkv_train.core.observation import QueryStatistics, observe_queries
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.runtime.observer import ObservationBuffer
 
 HEADS, DIM = 3, 4

@@ -79,7 +79,7 @@ def test_press_loads_a_scorer_folder_checked_against_the_model(model, scorer, tm
 
 
 def test_press_without_scorer_is_a_user_error():
-    from curkv_train.errors import CurKVError
+    from curkv_train.core.errors import CurKVError
 
     with pytest.raises(CurKVError, match="needs a scorer"):
         CurKVPress(compression_ratio=0.5)
@@ -90,7 +90,7 @@ def test_a_layer_budget_gives_each_layer_its_ratio_and_generation_runs(scorer):
     press runs (the mask, built for layer 0, fitted to the others); ``layer_budget="uniform"`` ignores it."""
     import copy
 
-    from curkv_train.errors import CurKVError
+    from curkv_train.core.errors import CurKVError
     from curkv_train.models.base import load_base_model
     from curkv_train.runtime.allocation import LayerBudget
 
@@ -119,7 +119,7 @@ def test_decoding_press_over_curkv_press_is_refused(model, scorer):
     tokens are not at positions 0..n-1 once it has compressed: CurKVPress would score them as a fresh prefill."""
     from kvpress import DecodingPress
 
-    from curkv_train.errors import CurKVError
+    from curkv_train.core.errors import CurKVError
 
     press = DecodingPress(base_press=CurKVPress(scorer=scorer), compression_interval=4, target_size=40)
     ids = torch.randint(3, 512, (1, 60), generator=torch.Generator().manual_seed(0))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from curkv_train.data.sampling import BlockSampler, ResumableLoader
+from curkv_train.training.data.sampling import BlockSampler, ResumableLoader
 
 
 class Blocks:

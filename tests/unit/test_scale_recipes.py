@@ -10,15 +10,15 @@ from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from curkv_train.callbacks.curriculum import Curriculum
-from curkv_train.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard
+from curkv_train.training.callbacks.curriculum import Curriculum
+from curkv_train.training.callbacks.guards import NonFiniteLossGuard, OutputSpaceGuard
 from curkv_train.cli import build_cli
-from curkv_train.distributed import KeepDtypesFSDPPrecision, prepare_rank_zero_loading, saves_sharded_checkpoints
-from curkv_train.errors import CurKVError
+from curkv_train.training.distributed import KeepDtypesFSDPPrecision, prepare_rank_zero_loading, saves_sharded_checkpoints
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config
-from curkv_train.models.estimator import ValueEstimator
-from curkv_train.models.estimators import build_estimator
-from curkv_train.plan import parse_recipe
+from curkv_train.models.seed_estimator import ValueEstimator
+from curkv_train.models.families import build_estimator
+from curkv_train.cli import parse_recipe
 from recipe_flags import ON_CPU
 
 

@@ -6,18 +6,18 @@ import dataclasses
 import pytest
 import torch
 
-from curkv_train.attention import patch_model
+from curkv_train.training.scored_attention import patch_model
 from curkv_train.core.observation import Observation, QueryStatistics
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.selection import compressible_mask
 from curkv_train.core.shapes import kv_shape
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.context import LayerContext
 from curkv_train.eval.methods import ExpectedAttentionScore
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.models.capture import estimator_inputs, prefill_context
-from curkv_train.models.estimator import ValueEstimator, position_features
-from curkv_train.models.estimators import FAMILIES, build_estimator
+from curkv_train.training.capture import estimator_inputs, prefill_context
+from curkv_train.models.seed_estimator import ValueEstimator, position_features
+from curkv_train.models.families import FAMILIES, build_estimator
 from curkv_train.runtime import CurKVCache, Scorer
 from curkv_train.runtime.layer import CurKVLayer
 from runtime_helpers import family_scorer

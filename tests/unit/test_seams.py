@@ -3,8 +3,8 @@
 import subprocess
 import sys
 
-TRAINING_MODULES = ("lightning", "pytorch_lightning", "torchmetrics", "curkv_train.objective", "curkv_train.data",
-                    "curkv_train.attention", "curkv_train.system", "curkv_train.callbacks", "curkv_train.reconstruction")
+TRAINING_MODULES = ("lightning", "pytorch_lightning", "torchmetrics", "curkv_train.training.objective", "curkv_train.training.data",
+                    "curkv_train.training.scored_attention", "curkv_train.training.system", "curkv_train.training.callbacks", "curkv_train.training.reconstruction")
 
 
 def test_importing_the_runtime_loads_no_training_code():

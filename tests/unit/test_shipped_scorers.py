@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from curkv_train.recipes import recipe_dir
+from curkv_train.training.recipes import recipe_dir
 from curkv_train.runtime import load_scorer
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"

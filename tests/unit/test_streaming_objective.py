@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from curkv_train.attention import patch_model
-from curkv_train.errors import CurKVError
+from curkv_train.training.scored_attention import patch_model
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.models.capture import estimator_inputs, prefill_context
-from curkv_train.objective import TrainingSettings, streaming_ends, streaming_keep_bias
+from curkv_train.training.capture import estimator_inputs, prefill_context
+from curkv_train.training.objective import TrainingSettings, streaming_ends, streaming_keep_bias
 from curkv_train.runtime import CurKVCache
-from curkv_train.system import CurKVModule
+from curkv_train.training.system import CurKVModule
 from runtime_helpers import family_scorer
 
 N_SINK, WINDOW, HOT_WINDOWS, ROUNDS, CONTEXT = 4, 16, 2, 4, 192

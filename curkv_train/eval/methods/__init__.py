@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.eval.context import LayerContext
 from curkv_train.eval.methods.curdkv_score import CurDKVScore
 from curkv_train.eval.methods.curkv_score import CurKVScore

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from curkv_train.core.shapes import KVShape
-from curkv_train.errors import CurKVError
-from curkv_train.models.estimator import EstimatorInputs, ValueEstimator
+from curkv_train.core.errors import CurKVError
+from curkv_train.models.seed_estimator import EstimatorInputs, ValueEstimator
 from curkv_train.models.hidden_estimator import HiddenStateEstimator
 from curkv_train.models.query_aware_estimator import QueryAwareEstimator
 

@@ -10,20 +10,20 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from curkv_train.attention import CompressionState, patch_model
+from curkv_train.training.scored_attention import CompressionState, patch_model
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.selection import check_keep_ratio, compressible_mask
 from curkv_train.core.shapes import kv_shape
-from curkv_train.distributed import clip_grad_norm, prepare_rank_zero_loading, saves_sharded_checkpoints
-from curkv_train.errors import CurKVError
+from curkv_train.training.distributed import clip_grad_norm, prepare_rank_zero_loading, saves_sharded_checkpoints
+from curkv_train.core.errors import CurKVError
 from curkv_train.kernels import BACKENDS
 from curkv_train.models.base import load_base_model, load_tokenizer
-from curkv_train.models.capture import (ContextCapture, continue_from, estimator_inputs, prefill_context,
+from curkv_train.training.capture import (ContextCapture, continue_from, estimator_inputs, prefill_context,
                                         reconstruction_target)
-from curkv_train.models.estimators import build_estimator, check_family
-from curkv_train.objective import (BudgetController, KeepRatio, TrainingSettings, chunked_kl, dense_loss, keep_bias,
+from curkv_train.models.families import build_estimator, check_family
+from curkv_train.training.objective import (BudgetController, KeepRatio, TrainingSettings, chunked_kl, dense_loss, keep_bias,
                                    streaming_ends, streaming_keep_bias)
-from curkv_train.reconstruction import RECONSTRUCTION_PROMPT
+from curkv_train.training.reconstruction import RECONSTRUCTION_PROMPT
 from curkv_train.runtime.allocation import LayerBudget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +56,7 @@ class CurKVModule(L.LightningModule):
         dual_lr: dual ascent step for the lagrange budget.
         hidden_mse_weight: μ of the optional last-hidden-state MSE.
         dense_weight: weight of the dense ranking term against the reconstruction target
-            (:mod:`curkv_train.reconstruction`); 0 skips the reconstruction pass outside warm start.
+            (:mod:`curkv_train.training.reconstruction`); 0 skips the reconstruction pass outside warm start.
         kl_chunk_size: tokens per vocabulary-logit chunk of the KL.
         key_view: pre_rope, end_relative or post_rope keys for the estimator.
         backend: compression kernel backend (auto, torch, triton).
@@ -249,7 +249,7 @@ class CurKVModule(L.LightningModule):
     def streaming_bias(self, capture: ContextCapture, logits: torch.Tensor, settings: TrainingSettings,
                        ratios: KeepRatio) -> tuple[torch.Tensor, torch.Tensor]:
         """Biases of the context compressed in ``settings.streaming_rounds`` rounds ``compress_every`` windows apart,
-        each scored at its own end (:func:`~curkv_train.objective.streaming_keep_bias`) and kept at ``ratios``
+        each scored at its own end (:func:`~curkv_train.training.objective.streaming_keep_bias`) and kept at ``ratios``
         (:meth:`layer_ratios` of the step's ρ); ``logits`` are the last round's."""
         hp = self.hparams
         ends = streaming_ends(capture.context_length, settings.streaming_rounds, settings.compress_every * hp.window)
@@ -362,6 +362,6 @@ class CurKVModule(L.LightningModule):
 
     def _has_curriculum(self) -> bool:
         """Whether the trainer runs a curriculum (which sets the settings of every step itself)."""
-        from curkv_train.callbacks.curriculum import Curriculum
+        from curkv_train.training.callbacks.curriculum import Curriculum
 
         return self._trainer is not None and any(isinstance(callback, Curriculum) for callback in self.trainer.callbacks)

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 
 class NonFiniteLossGuard(Callback):

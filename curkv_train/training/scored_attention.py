@@ -7,7 +7,7 @@ attention function):
 
 - no state, or ``mode="full"``: plain causal attention (SDPA);
 - ``mode="reconstruct"``: plain attention that also records, per layer, the KVzip+
-  score of each context key (:mod:`curkv_train.reconstruction`; the dense target);
+  score of each context key (:mod:`curkv_train.training.reconstruction`; the dense target);
 - ``mode="scored"``: the continuation's queries see context key j through
   ``logit + key_bias[layer][j]`` (the student, DESIGN §4), via the fused path.
 """
@@ -22,10 +22,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
+from curkv_train.core.shapes import check_unpadded
 from curkv_train.kernels import scored_attention
 from curkv_train.kernels.reference import causal_key_mask
-from curkv_train.reconstruction import reconstruction_scores
+from curkv_train.training.reconstruction import reconstruction_scores
 
 ATTENTION_NAME = "curkv"
 MODES = ("full", "reconstruct", "scored")
@@ -90,27 +91,6 @@ def curkv_attention_forward(
     bias = torch.cat([context_bias, zeros], dim=-1)
     out = scored_attention(query, key, value, bias, scale=scaling, causal=True, backend=state.backend)
     return out.transpose(1, 2).contiguous(), None
-
-
-def check_unpadded(attention_mask: torch.Tensor | None) -> None:
-    """A CurKVError when the model's 4D mask (batch, 1, queries, keys) hides a past key from a row's last query,
-    or a 2D padding mask (batch, keys), as a user passes it (and flash attention's mask function keeps it),
-    has a 0.
-
-    Without padding the last query of every row sees every key (causal); a padded (left- or
-    right-) batch hides its padding, which per-head compression (CurKVCache's compaction, the
-    training passes' key biases) cannot follow.
-    """
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() not in (2, 4):
-        return
-    if attention_mask.dim() == 2:
-        hidden = attention_mask == 0
-    else:
-        last = attention_mask[:, :, -1, :]
-        hidden = ~last if last.dtype == torch.bool else last < torch.finfo(last.dtype).min / 2
-    if bool(hidden.any()):
-        raise CurKVError("compressed attention does not support padded batches (the attention mask hides tokens of a row); "
-                         "run one sequence per cache, or batch sequences of equal length without padding")
 
 
 def register_attention() -> str:

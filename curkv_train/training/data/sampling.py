@@ -1,6 +1,6 @@
 """Training-block order that survives a restart and does not depend on how a batch is split over ranks.
 
-:class:`~curkv_train.data.datamodule.MixedBlocks` already draws a random block for
+:class:`~curkv_train.training.data.datamodule.MixedBlocks` already draws a random block for
 every index, so the loader does not shuffle: position p of epoch e is block
 ``e·size + p`` (fresh blocks each epoch), and rank r of W takes the positions
 p ≡ r (mod W). Global batch t is then positions [t·B·W, (t+1)·B·W) whatever the

@@ -13,7 +13,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py"}
 # Standard-library files that carry another source's documents verbatim, so they are not code and would

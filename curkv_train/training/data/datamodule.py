@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from curkv_train.data.sampling import BlockSampler, ResumableLoader
-from curkv_train.data.synthetic import BUILDERS, SYNTHETIC_TASKS, Example
-from curkv_train.data.tokenized import token_stream
-from curkv_train.errors import CurKVError, EmptySplitError
+from curkv_train.training.data.sampling import BlockSampler, ResumableLoader
+from curkv_train.training.data.synthetic import BUILDERS, SYNTHETIC_TASKS, Example
+from curkv_train.training.data.tokenized import token_stream
+from curkv_train.core.errors import CurKVError, EmptySplitError
 from curkv_train.models.base import load_tokenizer
 
 DOCUMENT_KINDS = ("stdlib", "pydoc", "files", "hub")
@@ -187,7 +187,7 @@ class CurKVDataModule(L.LightningDataModule):
         return context_length, continuation_length
 
     def train_dataloader(self) -> DataLoader:
-        """Blocks in a fixed, rank-split order that resumes mid-epoch (see :mod:`curkv_train.data.sampling`)."""
+        """Blocks in a fixed, rank-split order that resumes mid-epoch (see :mod:`curkv_train.training.data.sampling`)."""
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         sampler = BlockSampler(self.datasets["train"], num_replicas=world, rank=rank)
         return ResumableLoader(self.datasets["train"], batch_size=self.batch_size, sampler=sampler,

@@ -5,7 +5,7 @@ values, reused by the teacher, the student and the reconstruction pass) and, whe
 estimator family needs them, every layer's attention inputs of every context token (the
 ``query_aware`` family reads the observation window and the statistics of all queries, the
 ``hidden`` family each token's hidden state). :func:`estimator_inputs`
-turns a capture into the estimator's :class:`~curkv_train.models.estimator.EstimatorInputs`
+turns a capture into the estimator's :class:`~curkv_train.models.seed_estimator.EstimatorInputs`
 through the same feature function the runtime uses.
 """
 
@@ -18,11 +18,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from curkv_train.attention import CompressionState
+from curkv_train.training.scored_attention import CompressionState
 from curkv_train.core.observation import (HiddenRecorder, Observation, attention_module, observe_queries,
                                           pre_rope_queries)
 from curkv_train.core.rope import key_view
-from curkv_train.models.estimator import EstimatorInputs
+from curkv_train.models.seed_estimator import EstimatorInputs
 
 
 @dataclass
@@ -107,7 +107,7 @@ def reconstruction_target(model: PreTrainedModel, capture: ContextCapture, promp
         prompt_ids: (prompt,) token ids of the repeat instruction.
 
     Returns:
-        (layers, batch, kv_heads, context) float32 (see :mod:`curkv_train.reconstruction`).
+        (layers, batch, kv_heads, context) float32 (see :mod:`curkv_train.training.reconstruction`).
     """
     batch = capture.context_ids.shape[0]
     ids = torch.cat([prompt_ids.to(capture.context_ids.device).expand(batch, -1), capture.context_ids], dim=1)

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from jsonargparse import ActionConfigFile
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 BASE_LAYER = "_base"
 

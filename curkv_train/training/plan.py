@@ -27,12 +27,11 @@ strategy, devices, nodes, per-device batch and the curriculum's longest stage
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass
 
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FP32 = 4
@@ -64,29 +63,6 @@ class Plan:
     activation_checkpointing: bool
     tokens_per_step: int
     continuation_tokens_per_step: int
-
-
-def parse_recipe(recipe: str, overrides: list[str] | None = None):
-    """The recipe's resolved config (``--recipe``, then ``overrides``) through the real CLI parser.
-
-    Nothing is instantiated: no model, no data, no trainer (so no GPU is needed).
-    """
-    from curkv_train.cli import CurKVCLI
-    from curkv_train.data.datamodule import CurKVDataModule
-    from curkv_train.system import CurKVModule
-
-    class ParseOnlyCLI(CurKVCLI):
-        def instantiate_classes(self) -> None:
-            """Parsing is all a plan needs."""
-
-    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
-    level = seed_log.level
-    seed_log.setLevel(logging.WARNING)
-    try:
-        return ParseOnlyCLI(CurKVModule, CurKVDataModule, args=["--recipe", recipe, *(overrides or [])],
-                            run=False).config
-    finally:
-        seed_log.setLevel(level)
 
 
 def strategy_kind(strategy) -> str:
@@ -136,12 +112,12 @@ def _as_int(value, name: str) -> int:
     raise CurKVError(f"the recipe's {name} is {value!r}; pass --{name.split('.')[-1]} N (N >= 1) to plan for N")
 
 
-def compute_plan(recipe: str, overrides: list[str] | None = None) -> Plan:
-    """Build the recipe's base on the meta device and size one training step (see the module docstring)."""
+def compute_plan(recipe: str, config) -> Plan:
+    """Build the base of ``recipe`` (its resolved ``fit`` config, as the CLI parses it) on the meta device
+    and size one training step (see the module docstring)."""
     from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config
-    from curkv_train.models.estimators import build_estimator
+    from curkv_train.models.families import build_estimator
 
-    config = parse_recipe(recipe, overrides)
     model_hp, trainer = config.model, config.trainer
     model_config = load_model_config(model_hp.base_model)
     dtype_name = model_hp.base_dtype
@@ -225,23 +201,3 @@ def format_plan(plan: Plan) -> str:
 def plan_json(plan: Plan) -> str:
     """``plan`` as a JSON object."""
     return json.dumps(asdict(plan), indent=2)
-
-
-def plan_command(recipe: str, devices: int | None = None, num_nodes: int | None = None,
-                 batch_size: int | None = None, json: bool = False) -> Plan:
-    """Size one training step of a recipe per GPU, without a GPU; print it as a table or JSON.
-
-    Args:
-        recipe: recipe name (see ``curkv-train recipes``) or a YAML path.
-        devices: GPUs per node (default: the recipe's trainer.devices).
-        num_nodes: nodes (default: the recipe's trainer.num_nodes).
-        batch_size: blocks per GPU (default: the recipe's data.batch_size).
-        json: print JSON instead of a table.
-    """
-    overrides = [f"--trainer.{name}={value}" for name, value in (("devices", devices), ("num_nodes", num_nodes))
-                 if value is not None]
-    if batch_size is not None:
-        overrides.append(f"--data.batch_size={batch_size}")
-    plan = compute_plan(recipe, overrides)
-    print(plan_json(plan) if json else format_plan(plan))
-    return plan

@@ -19,13 +19,13 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from curkv_train.core.shapes import kv_shape
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, resolve_model_source, tiny_llama_config
-from curkv_train.models.estimators import build_estimator
+from curkv_train.models.families import build_estimator
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import model_fingerprint, save_scorer
-from curkv_train.system import LAYER_BUDGET_KEY, SETTINGS_KEY
+from curkv_train.training.system import LAYER_BUDGET_KEY, SETTINGS_KEY
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, fields, replace
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from curkv_train.errors import CurKVError
-from curkv_train.objective import TrainingSettings
+from curkv_train.core.errors import CurKVError
+from curkv_train.training.objective import TrainingSettings
 from curkv_train.core.selection import check_keep_ratio, check_recent_share
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Curriculum(Callback):
     def apply(self, trainer: L.Trainer, module: L.LightningModule, step: int) -> None:
         """Apply the settings of optimizer step ``step`` to the module and the training data.
 
-        The module takes a :class:`~curkv_train.objective.TrainingSettings` through
+        The module takes a :class:`~curkv_train.training.objective.TrainingSettings` through
         ``apply_stage`` (fields no stage has set keep the module's current value); the data
         module takes the block shape through ``set_block_shape``.
         """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 SYNTHETIC_TASKS = ("passkey", "kv_lookup", "repeated_span")
 Filler = Sequence[int] | np.ndarray  # token ids of the text that fills a context: a list or a 1-D array, never copied whole

@@ -6,8 +6,8 @@ import hashlib
 
 import numpy as np
 
-from curkv_train.data.corpora import documents, split_of
-from curkv_train.errors import CurKVError, EmptySplitError
+from curkv_train.training.data.corpora import documents, split_of
+from curkv_train.core.errors import CurKVError, EmptySplitError
 from curkv_train.models.embedded import cache_root
 
 

@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
 from torch import nn
 
-from curkv_train.errors import CurKVError
+from curkv_train.core.errors import CurKVError
 
 
 class KeepDtypesFSDPPrecision(FSDPPrecision):

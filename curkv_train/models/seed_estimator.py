@@ -7,7 +7,7 @@ position features p_j (DESIGN.md §3)::
     s_j = σ(z_j / T)
 
 Parameters are stacked over (layer, KV head) so each term is one batched product. Other families
-(:mod:`curkv_train.models.estimators`) take the same :class:`EstimatorInputs`.
+(:mod:`curkv_train.models.families`) take the same :class:`EstimatorInputs`.
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""curkv_train.data"""

@@ -1,0 +1,1 @@
+"""Training: the LightningModule (system), the objective, the scored-attention patch, data, callbacks."""

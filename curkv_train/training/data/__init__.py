@@ -1,0 +1,1 @@
+"""curkv_train.training.data"""
