@@ -57,19 +57,10 @@ def base_config(name: str, fallback: str | None = None) -> PretrainedConfig:
     return AutoConfig.from_pretrained(source)
 
 
-def estimator_options(hp: dict) -> dict:
-    """The estimator options a run used (runs from before families set hidden_divisor / init_keep at top level)."""
-    options = dict(hp.get("estimator_options") or {})
-    for name in ("hidden_divisor", "init_keep"):
-        if name in hp:
-            options.setdefault(name, hp[name])
-    return options
-
-
 def restore_estimator(checkpoint: dict, config: PretrainedConfig) -> nn.Module:
     """The checkpoint's estimator, shaped for ``config`` as CurKVModule.configure_model builds it."""
     hp = checkpoint["hyper_parameters"]
-    estimator = build_estimator(hp.get("estimator", "seed"), kv_shape(config), **estimator_options(hp))
+    estimator = build_estimator(hp.get("estimator", "seed"), kv_shape(config), **(hp.get("estimator_options") or {}))
     state = {key.removeprefix(ESTIMATOR_PREFIX): value for key, value in checkpoint["state_dict"].items()
              if key.startswith(ESTIMATOR_PREFIX)}
     if not state:
@@ -171,10 +162,10 @@ def training_record(ckpt: Path, checkpoint: dict) -> dict:
 
 def last_stage(checkpoint: dict) -> dict | None:
     """The settings of the curriculum stage the run ended in, with what it inherits from earlier stages (e.g.
-    a list of ratios or a range); the stage as the recipe wrote it in checkpoints from before 2026-12-05."""
+    a list of ratios or a range)."""
     for state in (checkpoint.get("callbacks") or {}).values():
         if isinstance(state, dict) and state.get("stages") and state.get("stage_index", -1) >= 0:
-            return state.get("stage_settings") or state["stages"][state["stage_index"]]
+            return state["stage_settings"]
     return None
 
 

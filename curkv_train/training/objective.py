@@ -37,8 +37,7 @@ class TrainingSettings:
         recent_share: with streaming rounds, the share of each round's kept places given to the newest
             competing tokens (the cache's ``recent_share``; 0: every place by score).
         count_protected: with streaming rounds, sinks and hot tier count inside ρ, as CurKVCache counts
-            them; False: ρ of the competing span, as the cache counted before 2026-12-04 (recipes of
-            scorers trained then record it, so they still reproduce).
+            them; False: ρ of the competing span only (the smollm2-135m recipe trains so).
     """
 
     keep_ratio: float = 0.5

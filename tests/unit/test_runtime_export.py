@@ -186,13 +186,13 @@ def test_export_records_the_family_and_the_last_stage_settings(family, tmp_path,
     state = {k: v for k, v in module.state_dict().items() if k.startswith(("estimator.", "budget."))}
     stages = [{"steps": 4, "keep_ratio": [0.5, 0.3], "temperature": 0.5, "hard_topk": True}]
     checkpoint = {"state_dict": state, "hyper_parameters": dict(module.hparams), "global_step": 4,
-                  SETTINGS_KEY: asdict(last), "callbacks": {"Curriculum": {"stages": stages, "stage_index": 0}}}
+                  SETTINGS_KEY: asdict(last), "callbacks": {"Curriculum": {"stages": stages, "stage_index": 0, "stage_settings": stages[0]}}}
     torch.save(checkpoint, tmp_path / "last.ckpt")
     folder = export(tmp_path / "last.ckpt", tmp_path / "scorer")
     record = json.loads((folder / CONFIG_FILE).read_text())
     assert record["estimator"]["family"] == family
     assert record["settings"]["temperature"] == 0.5 and record["settings"]["keep_ratio"] == pytest.approx(0.4)
-    assert record["training"]["last_stage"] == stages[0]  # a checkpoint without the inherited settings: as written
+    assert record["training"]["last_stage"] == stages[0]
     scorer = load_scorer(folder, model=model)
     assert scorer.family == family
     for name, tensor in module.estimator.state_dict().items():
@@ -211,7 +211,7 @@ def test_a_sampled_last_stage_records_the_middle_of_its_keep_ratios(tmp_path):
     stages = [{"steps": 4, "compression_range": [0.3, 0.8], "hard_topk": True}]
     checkpoint = {"state_dict": state, "hyper_parameters": dict(module.hparams), "global_step": 4,
                   SETTINGS_KEY: asdict(TrainingSettings(keep_ratio=0.6672, hard_topk=True)),
-                  "callbacks": {"Curriculum": {"stages": stages, "stage_index": 0}}}
+                  "callbacks": {"Curriculum": {"stages": stages, "stage_index": 0, "stage_settings": stages[0]}}}
     torch.save(checkpoint, tmp_path / "last.ckpt")
     record = json.loads((export(tmp_path / "last.ckpt", tmp_path / "scorer") / CONFIG_FILE).read_text())
     assert record["settings"]["keep_ratio"] == pytest.approx(0.45)

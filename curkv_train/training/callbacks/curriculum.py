@@ -44,8 +44,7 @@ class Stage:
         recent_share: share of each streaming round's kept places given to the newest tokens (the
             cache's ``recent_share``).
         count_protected: whether sinks and hot tier count inside ρ in streaming rounds (unset: the
-            model's setting, True by default, as CurKVCache counts them; False reproduces scorers
-            trained before 2026-12-04).
+            model's setting, True by default, as CurKVCache counts them; False: ρ of the competing span only).
     """
 
     steps: int
