@@ -26,9 +26,9 @@ from transformers import PreTrainedModel
 
 from curkv_train.core.atomic import write_atomic
 from curkv_train.core.errors import CurKVError
-from curkv_train.eval.cached import plain_cache
+from curkv_train.eval.runtime_caches import plain_cache
 from curkv_train.eval.lists import FloatList
-from curkv_train.eval.scorers import scorer_base, scorer_fallback
+from curkv_train.eval.scorer_entries import scorer_base, scorer_fallback
 from curkv_train.eval.stream_rows import StreamRun
 from curkv_train.eval.streaming import stream_document
 from curkv_train.eval.tasks import DataRecipe

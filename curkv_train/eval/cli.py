@@ -30,7 +30,7 @@ from curkv_train.eval.methods import (
     check_methods,
 )
 from curkv_train.eval.report import write_run
-from curkv_train.eval.scorers import (
+from curkv_train.eval.scorer_entries import (
     ScorerEntry,
     build_scorers,
     fresh_scorer,

@@ -34,7 +34,7 @@ from curkv_train.eval.compressed import (
     kept_tokens,
 )
 from curkv_train.eval.aggregate import result_rows
-from curkv_train.eval.cached import feed_chunks, held_bytes, held_tokens, prefill_cache
+from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
 from curkv_train.eval.methods import CURKV, FULL, CurKVScore, ScoreFunction
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.attention import install_runtime_attention

@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 from curkv_train.core.selection import check_keep_ratio
 from curkv_train.core.errors import CurKVError
 from curkv_train.eval import kvpress_bridge
-from curkv_train.eval.cached import RecencyCache, plain_cache
+from curkv_train.eval.runtime_caches import RecencyCache, plain_cache
 from curkv_train.eval.methods import CURKV_UNIFORM
 from curkv_train.eval.statistics import Bootstrap
 from curkv_train.runtime.cache import CurKVCache

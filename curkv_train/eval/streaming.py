@@ -47,7 +47,7 @@ import torch
 from transformers import PreTrainedModel
 
 from curkv_train.eval.aggregate import result_row
-from curkv_train.eval.cached import feed_chunks, held_bytes, held_tokens, prefill_cache
+from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
 from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.statistics import Bootstrap, paired_difference, verdict
 from curkv_train.eval.stream_documents import StreamDocument

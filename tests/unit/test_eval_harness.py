@@ -239,7 +239,7 @@ def test_a_budgeted_scorer_and_budget_baselines(tmp_path, capsys):
 
 
 def test_every_scorer_of_a_run_scores_with_the_precision_asked():
-    from curkv_train.eval.scorers import build_scorers, parse_scorers
+    from curkv_train.eval.scorer_entries import build_scorers, parse_scorers
     from curkv_train.models.base import load_base_model
 
     entries = parse_scorers("a=init:query_aware,b=init:seed")

@@ -12,7 +12,7 @@ import torch
 from runtime_helpers import family_scorer, random_scorer
 
 from curkv_train.core.errors import CurKVError
-from curkv_train.eval.cached import RecencyCache, held_bytes, plain_cache
+from curkv_train.eval.runtime_caches import RecencyCache, held_bytes, plain_cache
 from curkv_train.eval.heldout import PYTHON_TEXT, HeldOutDocument, python_text_documents
 from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.methods import CURKV_UNIFORM

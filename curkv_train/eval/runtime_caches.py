@@ -101,17 +101,6 @@ def feed_chunks(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, s
         on_step(start, start + part.shape[1], output.logits.float())
 
 
-def continuation_through(model: PreTrainedModel, cache: Cache, context_ids: torch.Tensor,
-                         continuation_ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Logits (1, M, vocab) of ``continuation_ids`` after prefilling ``context_ids`` into ``cache``, the
-    continuation fed ``chunk`` tokens at a time (the cache keeps compressing as at run time)."""
-    prefill_cache(model, cache, context_ids)
-    parts: list[torch.Tensor] = []
-    feed_chunks(model, cache, continuation_ids, context_ids.shape[1], chunk,
-                lambda start, stop, logits: parts.append(logits))
-    return torch.cat(parts, dim=1)
-
-
 def plain_cache(model: PreTrainedModel) -> DynamicCache:
     """An empty full cache for ``model``."""
     return DynamicCache(config=model.config)
