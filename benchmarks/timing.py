@@ -40,7 +40,7 @@ def minor_faults() -> int:
 def product_ms(device: str = "cpu", repeats: int = 50) -> float:
     """Fastest of ``repeats`` runs of one fixed fp32 product (a 1K-token layer's expected-attention quadratic form,
     (3, 3, 1024, 64) @ (3, 3, 64, 64)), in ms: printed at a benchmark's start and end so a reader can tell a run
-    made while a shared host ran slow (the same product has taken 0.49 and 1.6–1.8 ms on two threads of one VM)."""
+    made while a shared host ran slow (docs/runtime.md, "Costs")."""
     generator = torch.Generator(device=device).manual_seed(0)
     keys = torch.randn(1, 3, 1, 1024, 64, device=device, generator=generator)
     covariance = torch.randn(1, 3, 3, 64, 64, device=device, generator=generator)

@@ -148,8 +148,8 @@ _DECODERS: "weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module]" = weakr
 
 
 def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
-    """``model.get_decoder()``, looked up once per model: the lookup takes ~11 µs, and scoring a layer asked for it
-    several times (its rotary module, its attention modules) at every layer of every compression."""
+    """``model.get_decoder()``, looked up once per model: scoring asks for it several times a layer (its rotary
+    module, its attention modules) at every compression."""
     if torch.compiler.is_compiling():  # traced: the lookup itself is compiled away
         return model.get_decoder()
     decoder = _DECODERS.get(model)
