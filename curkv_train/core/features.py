@@ -70,9 +70,8 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
         backend: who computes the attention-sized parts (:func:`feature_backend`): ``torch``, ``triton``
             (the fused kernels of :mod:`curkv_train.kernels.query_features_triton`) or ``auto``.
         matmul_precision: the torch path's three attention-sized products (:func:`product`): ``highest``
-            (float32) or ``medium`` (bfloat16 operands, float32 after: ~2.5x faster on a CPU with bf16
-            instructions; the shipped scorer's logits move by up to 0.14, docs/runtime.md). The Triton kernels
-            ignore it.
+            (float32) or ``medium`` (bfloat16 operands, float32 after: faster on a CPU with bf16 instructions,
+            the scores rounded slightly differently; docs/runtime.md). The Triton kernels ignore it.
         names: which features, a subset of :data:`QUERY_FEATURES` in its order (:func:`check_feature_names`);
             the torch path computes only those (the window attention is most of the cost, ‖W_O v‖ the next).
 
