@@ -48,7 +48,8 @@ class FunctionCommand:
     """A subcommand whose options are a function's parameters, documented by its docstring.
 
     Attributes:
-        options: ``module:function`` whose signature and docstring are the options.
+        options: ``module:function`` whose signature and docstring are the options (or ``module:Class``, a
+            config dataclass: its fields and their docs).
         run: ``module:function`` called with the parsed options (default: ``options``); it
             prints what the user asked for.
     """
@@ -67,7 +68,7 @@ class FunctionCommand:
 
 FUNCTION_COMMANDS = {
     "export": FunctionCommand("curkv_train.training.export:export"),
-    "eval": FunctionCommand("curkv_train.eval.cli:run_eval", run="curkv_train.eval.cli:main"),
+    "eval": FunctionCommand("curkv_train.eval.cli:EvalConfig", run="curkv_train.eval.cli:main"),
     "compare": FunctionCommand("curkv_train.eval.compare:compare"),
     "calibrate": FunctionCommand("curkv_train.eval.calibrate:calibrate", run="curkv_train.eval.calibrate:main"),
     "plan": FunctionCommand("curkv_train.cli:plan_command"),

@@ -1,6 +1,6 @@
 """``curkv-train eval``: compare a trained scorer with the known methods on held-out tasks.
 
-The options are the typed signature of :func:`run_eval` (jsonargparse, in the root parser of
+The options are the fields of :class:`EvalConfig` (jsonargparse, in the root parser of
 :mod:`curkv_train.cli`), so ``--help`` always matches it. Lists are comma-separated
 (``--ratios 0.3,0.5,0.7``); booleans take a value (``--kvpress true``).
 """
@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import platform
 import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from curkv_train.core.shapes import text_config
 from curkv_train.core.errors import CurKVError
+from curkv_train.core.shapes import text_config
 from curkv_train.eval.harness import EvalSettings, evaluate
-from curkv_train.eval.lists import FloatList, IntList, NameList
 from curkv_train.eval.heldout import training_hashes
+from curkv_train.eval.lists import FloatList, IntList, NameList
 from curkv_train.eval.methods import (
     BASELINES,
     CURKV,
@@ -43,14 +44,7 @@ from curkv_train.eval.scorer_entries import (
 from curkv_train.eval.stream_documents import STREAM_TASKS, load_stream_documents
 from curkv_train.eval.stream_rows import StreamSettings, check_memory, memory_settings, select_rows, stream_methods
 from curkv_train.eval.streaming import evaluate_streaming
-from curkv_train.eval.tasks import (
-    SPAN_CUE,
-    TASKS,
-    DataRecipe,
-    build_examples,
-    check_tasks,
-    load_streams,
-)
+from curkv_train.eval.tasks import SPAN_CUE, TASKS, DataRecipe, build_examples, check_tasks, load_streams
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
@@ -62,38 +56,8 @@ DEFAULT_BASE = "embedded:smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def run_eval(
-    scorer: str,
-    base: str | None = None,
-    ratios: FloatList = FloatList([0.3, 0.5, 0.7]),
-    tasks: NameList = NameList(TASKS),
-    methods: NameList | None = None,
-    out: str = "runs/eval",
-    context_length: int = 1024,
-    continuation_length: int = 128,
-    examples: int = 12,
-    seed: int = 0,
-    n_sink: int | None = None,
-    window: int | None = None,
-    passkey_depths: FloatList = FloatList([0.1, 0.5, 0.9]),
-    passkey_lengths: IntList | None = None,
-    kvpress: bool = False,
-    kvpress_budget: Literal["matched", "nominal"] = "matched",
-    kvpress_presses: NameList | None = None,
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-    backend: Literal["auto", "torch", "triton"] = "auto",
-    batch: int = 8,
-    stream_length: int = 6144,
-    stream_prefix: int = 1024,
-    stream_chunk: int = 64,
-    stream_documents: int = 4,
-    stream_segment: int = 512,
-    stream_rows: NameList | None = None,
-    budget_tokens: IntList | None = None,
-    budget_bytes: IntList | None = None,
-    budget_baselines: bool = False,
-    scorer_precision: Literal["highest", "medium"] = "highest",
-) -> Path:
+@dataclass(frozen=True)
+class EvalConfig:
     """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
 
     Args:
@@ -116,22 +80,22 @@ def run_eval(
         context_length: context tokens per example (compressed).
         continuation_length: continuation tokens per example (scored).
         examples: examples per task.
-        seed: seed of the held-out examples and of the random method.
+        seed: seed of the held-out examples and of the presses that sample.
         n_sink: always-kept leading tokens; default the main scorer's (else 4). Every row protects them: the
-            selections, and the runtime caches (curkv_cache, the streaming rows) as their sinks.
+            presses' selections, and the runtime caches (curkv_cache, the streaming rows) as their sinks.
         window: always-kept recent tokens; default the main scorer's (else 64). Every row protects them: the
-            selections, and the runtime caches as their window (the hot tier is ``hot_windows`` of them).
+            presses' selections, and the runtime caches as their window (the hot tier is ``hot_windows`` of them).
         passkey_depths: passkey needle depths, comma-separated, in [0, 1].
         passkey_lengths: passkey context lengths; default context_length / 2 and context_length.
-        kvpress: also run kvpress's own presses as ``kvpress:<name>`` rows (cross-check); in the streaming
-            task, kvpress's DecodingPress over its ScorerPresses.
-        kvpress_budget: ``matched`` (presses keep as many tokens as our path) or ``nominal``.
+        kvpress: also run kvpress's presses as kvpress ships them (their own protected tokens) as
+            ``kvpress:<name>`` rows; in the streaming task, kvpress's DecodingPress over its ScorerPresses.
+        kvpress_budget: ``kvpress:<name>`` rows: ``matched`` (as many tokens as every other row) or ``nominal``.
         kvpress_presses: comma-separated subset of kvpress's presses (streaming_llm, snapkv, tova, knorm,
             expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff,
             lagkv, adakv, kvzip); default every one the installed kvpress provides. Prefill tasks only.
         dtype: base model dtype (float32, bfloat16, float16). In half precision the reference and the rows
             run different kernels (one forward vs batches or chunks) and round differently: ratio 0.0 shows that floor.
-        backend: compaction kernel backend (auto, torch, triton).
+        backend: kernel backend of the runtime caches (curkv_cache and the streaming rows: auto, torch, triton).
         batch: continuations of equal cache length run together, at most this many per forward
             (memory: batch × continuation_length × vocabulary float32 logits).
         stream_length: tokens per streamed document (prefix included).
@@ -146,71 +110,131 @@ def run_eval(
         budget_tokens: streaming task: also run every compressing method under a fixed budget of this
             many tokens per (layer, KV head), comma-separated budgets (the runtime cache's max_tokens).
         budget_bytes: streaming task: fixed budgets in bytes for the whole cache (max_bytes).
-        budget_baselines: prefill tasks: our baselines' selections follow the main scorer's calibrated
-            layer budget too (the allocation without the learned scores; kvpress rows keep one ratio).
+        budget_baselines: prefill tasks: the baselines' presses follow the main scorer's calibrated layer
+            budget too (the allocation without the learned scores; ``kvpress:<name>`` rows keep one ratio).
         scorer_precision: every scorer's query-feature products: ``highest`` (float32, as trained) or
             ``medium`` (bfloat16 operands, faster on CPUs with bf16 instructions; docs/runtime.md).
     """
-    options = dict(locals())
-    if dtype not in DTYPES:
-        raise CurKVError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    task_names = check_tasks(list(tasks), valid=ALL_TASKS)
-    prefill_tasks = [task for task in task_names if task in TASKS]
-    streaming_tasks = [task for task in task_names if task in STREAM_TASKS]
-    entries = parse_scorers(scorer)
-    main = entries[0] if entries else None
-    trained = load_trained(entries)
-    base, fallback = _resolve_base(scorer, base, trained, main)
-    main_trained = trained.get(main.method) if main else None
-    n_sink = n_sink if n_sink is not None else (main_trained.n_sink if main_trained else 4)
-    window = window if window is not None else (main_trained.window if main_trained else 64)
-    method_names = check_methods(list(methods) if methods else [FULL, *BASELINES, *(SCORER_METHODS if entries else [])],
-                                 bool(entries))
-    settings = EvalSettings(list(ratios), n_sink=n_sink, window=window, seed=seed, backend=backend,
-                            kvpress=kvpress, kvpress_budget=kvpress_budget,
-                            kvpress_presses=list(kvpress_presses) if kvpress_presses else None, max_batch=batch)
-    lengths = list(passkey_lengths) if passkey_lengths else _default_passkey_lengths(context_length, settings)
-    if prefill_tasks:
-        _check_shapes(settings, context_length, continuation_length, examples, lengths, list(passkey_depths),
-                      prefill_tasks)
-    stream = _stream_settings(options) if streaming_tasks else None
 
-    model = load_base_model(base, fallback=fallback, dtype=DTYPES[dtype])
-    tokenizer = load_tokenizer(base, fallback=fallback)
-    scorers = build_scorers(entries, trained, model, base, spans=(n_sink, window),  # every row protects the same
-                            matmul_precision=scorer_precision)
+    scorer: str
+    base: str | None = None
+    ratios: FloatList = field(default_factory=lambda: FloatList([0.3, 0.5, 0.7]))
+    tasks: NameList = field(default_factory=lambda: NameList(TASKS))
+    methods: NameList | None = None
+    out: str = "runs/eval"
+    context_length: int = 1024
+    continuation_length: int = 128
+    examples: int = 12
+    seed: int = 0
+    n_sink: int | None = None
+    window: int | None = None
+    passkey_depths: FloatList = field(default_factory=lambda: FloatList([0.1, 0.5, 0.9]))
+    passkey_lengths: IntList | None = None
+    kvpress: bool = False
+    kvpress_budget: Literal["matched", "nominal"] = "matched"
+    kvpress_presses: NameList | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    batch: int = 8
+    stream_length: int = 6144
+    stream_prefix: int = 1024
+    stream_chunk: int = 64
+    stream_documents: int = 4
+    stream_segment: int = 512
+    stream_rows: NameList | None = None
+    budget_tokens: IntList | None = None
+    budget_bytes: IntList | None = None
+    budget_baselines: bool = False
+    scorer_precision: Literal["highest", "medium"] = "highest"
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """What a run resolves from its :class:`EvalConfig` before loading anything: tasks, scorers, spans, settings."""
+
+    prefill_tasks: list[str]
+    streaming_tasks: list[str]
+    entries: list[ScorerEntry]
+    trained: dict[str, Scorer]
+    base: str
+    fallback: str | None
+    settings: EvalSettings
+    methods: list[str]
+    passkey_lengths: list[int]
+    stream: StreamSettings | None
+
+    @property
+    def main(self) -> ScorerEntry | None:
+        """The main scorer's entry (the first), or None without a scorer."""
+        return self.entries[0] if self.entries else None
+
+
+def resolve(config: EvalConfig) -> _Resolved:
+    """Everything :func:`run_eval` checks before loading the model: one-line CurKVErrors for bad options."""
+    task_names = check_tasks(list(config.tasks), valid=ALL_TASKS)
+    prefill_tasks = [task for task in task_names if task in TASKS]
+    entries = parse_scorers(config.scorer)
+    trained = load_trained(entries)
+    base, fallback = _resolve_base(config.scorer, config.base, trained, entries[0] if entries else None)
+    main_trained = trained.get(entries[0].method) if entries else None
+    n_sink = config.n_sink if config.n_sink is not None else (main_trained.n_sink if main_trained else 4)
+    window = config.window if config.window is not None else (main_trained.window if main_trained else 64)
+    names = list(config.methods) if config.methods else [FULL, *BASELINES, *(SCORER_METHODS if entries else [])]
+    methods = check_methods(names, bool(entries))
+    settings = EvalSettings(list(config.ratios), n_sink=n_sink, window=window, seed=config.seed,
+                            backend=config.backend, kvpress=config.kvpress, kvpress_budget=config.kvpress_budget,
+                            kvpress_presses=list(config.kvpress_presses) if config.kvpress_presses else None,
+                            max_batch=config.batch)
+    lengths = (list(config.passkey_lengths) if config.passkey_lengths
+               else _default_passkey_lengths(config.context_length, settings))
+    if prefill_tasks:
+        _check_shapes(settings, config, lengths, prefill_tasks)
+    streaming_tasks = [task for task in task_names if task in STREAM_TASKS]
+    return _Resolved(prefill_tasks, streaming_tasks, entries, trained, base, fallback, settings, methods, lengths,
+                     _stream_settings(config) if streaming_tasks else None)
+
+
+def run_eval(config: EvalConfig) -> Path:
+    """Run the evaluation ``config`` describes; returns the run folder (results.json, results.md, plots/, tensorboard/)."""
+    run = resolve(config)
+    settings, main = run.settings, run.main
+    model = load_base_model(run.base, fallback=run.fallback, dtype=DTYPES[config.dtype])
+    tokenizer = load_tokenizer(run.base, fallback=run.fallback)
+    spans = (settings.n_sink, settings.window)  # every row protects the same
+    scorers = build_scorers(run.entries, run.trained, model, run.base, spans=spans,
+                            matmul_precision=config.scorer_precision)
     for loaded in scorers.values():
         check_scorer_fits(loaded, model)
-    if budget_baselines:
-        settings.baseline_budget = main_budget(scorers[main.method] if main else None)
-    rows, skipped = (_stream_rows(model, scorers, main, base, stream, options, (n_sink, window)) if stream is not None
-                     else ({}, []))
-    recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
+    budget = main_budget(scorers[main.method] if main else None) if config.budget_baselines else None
+    rows, skipped = (_stream_rows(model, scorers, main, run.base, run.stream, config, spans) if run.stream
+                     else ([], {}))
+    recipe = DataRecipe.of_scorers([loaded.metadata for loaded in run.trained.values()])
     training = training_hashes(tokenizer, list(recipe.sources))
     progress = lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True)
-    streams = load_streams(tokenizer, prefill_tasks, recipe, training) if prefill_tasks else {}
-    task_examples = {task: build_examples(task, tokenizer, streams, context_length=context_length,
-                                          continuation_length=continuation_length, examples=examples, seed=seed,
-                                          protected=(n_sink, window), passkey_depths=list(passkey_depths),
-                                          passkey_lengths=lengths)
-                     for task in prefill_tasks}
-    score_functions, cache_methods, ours, not_baselines = _prefill_methods(method_names, entries, scorers, main,
-                                                                           n_sink, window)
-    results = evaluate(model, task_examples, score_functions, settings, progress=progress, tokenizer=tokenizer,
+    streams = load_streams(tokenizer, run.prefill_tasks, recipe, training) if run.prefill_tasks else {}
+    task_examples = {task: build_examples(task, tokenizer, streams, context_length=config.context_length,
+                                          continuation_length=config.continuation_length, examples=config.examples,
+                                          seed=config.seed, protected=spans, passkey_depths=list(config.passkey_depths),
+                                          passkey_lengths=run.passkey_lengths)
+                     for task in run.prefill_tasks}
+    presses, cache_methods, ours, not_baselines = _prefill_methods(run.methods, run.entries, scorers, main, spans,
+                                                                   budget)
+    results = evaluate(model, task_examples, presses, settings, progress=progress, tokenizer=tokenizer,
                        cache_methods=cache_methods, ours=ours, not_baselines=not_baselines)
-    if stream is not None:
-        sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in streaming_tasks}
-        documents = load_stream_documents(tokenizer, streaming_tasks, sources, training[0], length=stream_length,
-                                          count=stream_documents)
-        results["streaming"] = evaluate_streaming(model, documents, rows, stream, skipped, progress=progress,
+    if run.stream is not None:
+        sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in run.streaming_tasks}
+        documents = load_stream_documents(tokenizer, run.streaming_tasks, sources, training[0],
+                                          length=config.stream_length, count=config.stream_documents)
+        results["streaming"] = evaluate_streaming(model, documents, rows, run.stream, skipped, progress=progress,
                                                   main=main.method if main else None)
-        results["streaming"]["length"] = stream_length
-    resolved = {"scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
-                "base": base, "tasks": task_names, "methods": [*score_functions, *cache_methods], "n_sink": n_sink,
-                "window": window, "passkey_lengths": lengths, "kvpress_presses": settings.kvpress_presses,
+        results["streaming"]["length"] = config.stream_length
+    resolved = {"scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in run.entries},
+                "base": run.base, "tasks": [*run.prefill_tasks, *run.streaming_tasks],
+                "methods": [*presses, *cache_methods], "n_sink": settings.n_sink, "window": settings.window,
+                "passkey_lengths": run.passkey_lengths, "kvpress_presses": settings.kvpress_presses,
                 "data": {"recipe": recipe.origin, "sources": recipe.record(),
                          "streams": {name: held.record() for name, held in streams.items()}}}
-    return write_run(out, results, _run_record(options, resolved, bool(streaming_tasks)))
+    return write_run(config.out, results, _run_record(config, resolved, run.stream is not None))
 
 
 def _resolve_base(scorer: str, base: str | None, trained: dict, main: ScorerEntry | None) -> tuple[str, object]:
@@ -225,60 +249,51 @@ def _resolve_base(scorer: str, base: str | None, trained: dict, main: ScorerEntr
     return base, fallback
 
 
-def _stream_settings(options: dict) -> StreamSettings:
-    """The streaming task's settings from :func:`run_eval`'s options, checked (one-line errors)."""
-    stream = StreamSettings(memory_settings(list(options["ratios"]), options["budget_tokens"], options["budget_bytes"]),
-                            prefix=options["stream_prefix"], chunk=options["stream_chunk"],
-                            segment=options["stream_segment"], backend=options["backend"], kvpress=options["kvpress"],
-                            seed=options["seed"])
-    stream.check_length(options["stream_length"], None)
-    if options["stream_documents"] < 1:
-        raise CurKVError(f"--stream_documents must be at least 1, got {options['stream_documents']}")
+def _stream_settings(config: EvalConfig) -> StreamSettings:
+    """The streaming task's settings from ``config``, checked (one-line errors)."""
+    stream = StreamSettings(memory_settings(list(config.ratios), config.budget_tokens, config.budget_bytes),
+                            prefix=config.stream_prefix, chunk=config.stream_chunk, segment=config.stream_segment,
+                            backend=config.backend, kvpress=config.kvpress, seed=config.seed)
+    stream.check_length(config.stream_length, None)
+    if config.stream_documents < 1:
+        raise CurKVError(f"--stream_documents must be at least 1, got {config.stream_documents}")
     return stream
 
 
 def _stream_rows(model, scorers: dict[str, Scorer], main: ScorerEntry | None, base: str, stream: StreamSettings,
-                 options: dict, spans: tuple[int, int]) -> tuple[dict, list]:
+                 config: EvalConfig, spans: tuple[int, int]) -> tuple[list, dict]:
     """The streaming task's rows (``--stream_rows`` of them) and the ones skipped, after checking the length
     against the model and the memory the rows would take; ``spans``: the run's (n_sink, window)."""
     carrier = scorers[main.method] if main else with_spans(fresh_scorer("seed", model, base), *spans)
-    stream.check_length(options["stream_length"], getattr(text_config(model.config), "max_position_embeddings", None))
+    stream.check_length(config.stream_length, getattr(text_config(model.config), "max_position_embeddings", None))
     check_memory(model, scorers, carrier, stream)
     rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
-    return select_rows(rows, list(options["stream_rows"]) if options["stream_rows"] else None), skipped
+    return select_rows(rows, list(config.stream_rows) if config.stream_rows else None), skipped
 
 
 def _prefill_methods(method_names: list[str], entries: list[ScorerEntry], scorers: dict[str, Scorer],
-                     main: ScorerEntry | None, n_sink: int, window: int) -> tuple[dict, dict, str, tuple[str, ...]]:
-    """The prefill tasks' score functions, runtime-cache rows (``curkv_cache``), the row the verdicts are about
-    and the rows that are not baselines of it."""
-    score_functions = build_methods([name for name in method_names if name != CURKV_CACHE], scorers,
-                                    n_sink=n_sink, window=window)
+                     main: ScorerEntry | None, spans: tuple[int, int],
+                     baseline_budget: LayerBudget | None) -> tuple[dict, dict, str, tuple[str, ...]]:
+    """The prefill tasks' presses, runtime-cache rows (``curkv_cache``), the row the verdicts are about and the
+    rows that are not baselines of it."""
+    presses = build_methods([name for name in method_names if name != CURKV_CACHE], scorers, n_sink=spans[0],
+                            window=spans[1], baseline_budget=baseline_budget)
     cache_methods = ({entry.suffixed(CURKV_CACHE): scorers[entry.method] for entry in entries}
                      if CURKV_CACHE in method_names else {})
     ours = main.method if main else CURKV
-    uniform_rows = [name for name in score_functions if name.startswith(CURKV_UNIFORM)]
+    uniform_rows = [name for name in presses if name.startswith(CURKV_UNIFORM)]
     not_baselines = tuple(name for name in [*scorers, *cache_methods, *uniform_rows] if name != ours)
-    return score_functions, cache_methods, ours, not_baselines
+    return presses, cache_methods, ours, not_baselines
 
 
-def _run_record(options: dict, resolved: dict, streaming: bool) -> dict:
-    """results.json's ``config``: the options as given, what was resolved from them, and the software versions."""
-    stream = {"length": options["stream_length"], "prefix": options["stream_prefix"], "chunk": options["stream_chunk"],
-              "documents": options["stream_documents"], "segment": options["stream_segment"],
-              "rows": list(options["stream_rows"]) if options["stream_rows"] else None,
-              "budget_tokens": list(options["budget_tokens"] or []),
-              "budget_bytes": list(options["budget_bytes"] or [])}
-    record = {"scorer": options["scorer"], "scorers": resolved["scorers"], "base": resolved["base"],
-              "ratios": list(options["ratios"]), "tasks": resolved["tasks"], "methods": resolved["methods"]}
-    record.update({key: options[key] for key in ("context_length", "continuation_length", "examples", "seed")})
-    record.update(n_sink=resolved["n_sink"], window=resolved["window"], passkey_depths=list(options["passkey_depths"]),
-                  passkey_lengths=resolved["passkey_lengths"], kvpress=options["kvpress"],
-                  kvpress_budget=options["kvpress_budget"], budget_baselines=options["budget_baselines"],
-                  kvpress_presses=resolved["kvpress_presses"], dtype=options["dtype"], backend=options["backend"],
-                  batch=options["batch"], stream=stream if streaming else None, torch=torch.__version__,
-                  python=platform.python_version(), data=resolved["data"])
-    return record
+def _run_record(config: EvalConfig, resolved: dict, streaming: bool) -> dict:
+    """results.json's ``config``: the options as given (the streaming task's under ``stream``), what was resolved
+    from them, and the software versions."""
+    options = {key: list(value) if isinstance(value, list) else value for key, value in asdict(config).items()}
+    stream = {key[len("stream_"):]: options.pop(key) for key in list(options) if key.startswith("stream_")}
+    stream.update(budget_tokens=options.pop("budget_tokens") or [], budget_bytes=options.pop("budget_bytes") or [])
+    return {**options, **resolved, "stream": stream if streaming else None, "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
 def main_budget(scorer: Scorer | None) -> LayerBudget:
@@ -300,27 +315,27 @@ def _default_passkey_lengths(context_length: int, settings: EvalSettings) -> lis
     return [half, context_length] if half > settings.n_sink + settings.window else [context_length]
 
 
-def _check_shapes(settings: EvalSettings, context_length: int, continuation_length: int, examples: int,
-                  passkey_lengths: list[int], passkey_depths: list[float], tasks: list[str]) -> None:
+def _check_shapes(settings: EvalSettings, config: EvalConfig, passkey_lengths: list[int], tasks: list[str]) -> None:
     """One-line errors for option values no example could be built from."""
-    if examples < 1:
-        raise CurKVError(f"--examples must be at least 1, got {examples}")
-    if continuation_length < 2:
+    if config.examples < 1:
+        raise CurKVError(f"--examples must be at least 1, got {config.examples}")
+    if config.continuation_length < 2:
         raise CurKVError(f"--continuation_length must be at least 2 (one scored prediction), got "
-                         f"{continuation_length}")
-    if "repeated_span" in tasks and continuation_length < SPAN_CUE + 2:
+                         f"{config.continuation_length}")
+    if "repeated_span" in tasks and config.continuation_length < SPAN_CUE + 2:
         raise CurKVError(f"repeated_span needs --continuation_length >= {SPAN_CUE + 2} (an {SPAN_CUE}-token cue "
-                         f"plus the copy), got {continuation_length}")
-    settings.check_context(context_length)
+                         f"plus the copy), got {config.continuation_length}")
+    settings.check_context(config.context_length)
     if "passkey" in tasks:
         for length in passkey_lengths:
             settings.check_context(length, "passkey context")
-        if not passkey_depths or any(not 0.0 <= depth <= 1.0 for depth in passkey_depths):
-            raise CurKVError(f"--passkey_depths must lie in [0, 1], got {passkey_depths}")
+        if not config.passkey_depths or any(not 0.0 <= depth <= 1.0 for depth in config.passkey_depths):
+            raise CurKVError(f"--passkey_depths must lie in [0, 1], got {list(config.passkey_depths)}")
 
 
 def main(**options) -> Path:
-    """``curkv-train eval``: run :func:`run_eval` with the parsed ``options``, print where the results are."""
-    run_dir = run_eval(**options)
+    """``curkv-train eval``: run :func:`run_eval` on the parsed ``options`` (:class:`EvalConfig`'s fields), print
+    where the results are."""
+    run_dir = run_eval(EvalConfig(**options))
     print(f"results: {run_dir / 'results.md'}")
     return run_dir

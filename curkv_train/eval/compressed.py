@@ -7,13 +7,8 @@ length, cache positions (what the causal mask is built from) from the kept lengt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
-
-from curkv_train.eval.prefill import Prefill
-from curkv_train.core.selection import compress_kv, select_kept
 
 
 def cache_from_layers(model: PreTrainedModel, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
@@ -33,30 +28,6 @@ def cache_bytes(cache: DynamicCache) -> int:
 def kept_tokens(cache: DynamicCache) -> float:
     """Mean tokens held per (layer, KV head)."""
     return sum(layer.keys.shape[2] for layer in cache.layers) / len(cache.layers)
-
-
-def compress_prefill(model: PreTrainedModel, prefill: Prefill, scores: list[torch.Tensor] | None, *,
-                     n_sink: int, window: int, keep_ratio: float | Sequence[float],
-                     backend: str = "auto") -> DynamicCache:
-    """The cache after the shared selection path.
-
-    Args:
-        prefill: the uncompressed context.
-        scores: per layer, (batch, kv_heads, tokens) keep scores; None keeps everything (full cache).
-        n_sink, window: the selection's protected spans.
-        keep_ratio: ρ, or one per layer (a layer budget: layers then hold different counts, and the
-            continuation needs the attention wrapper that fits the mask per layer).
-    """
-    ratios = [keep_ratio] * len(prefill.keys) if isinstance(keep_ratio, (int, float)) else list(keep_ratio)
-    if scores is None or min(ratios) >= 1.0:
-        return cache_from_layers(model, prefill.keys, prefill.values)
-    kept_keys, kept_values = [], []
-    for layer_scores, keys, values, ratio in zip(scores, prefill.keys, prefill.values, ratios, strict=True):
-        keep = select_kept(layer_scores, n_sink, window, ratio)
-        layer_keys, layer_values = compress_kv(keys, values, keep, backend=backend)
-        kept_keys.append(layer_keys)
-        kept_values.append(layer_values)
-    return cache_from_layers(model, kept_keys, kept_values)
 
 
 @torch.no_grad()

@@ -1,17 +1,15 @@
-"""The evaluation loop: one prefill per example, then every (method, ratio) through the same path.
+"""The evaluation loop: every (method, ratio) of every example through the same path.
 
-Per example: prefill the context once (capturing queries when an attention-based
-method needs them); run the continuation on the full cache (the reference); score
-the context layer by layer with every method; then for each method and compression
-ratio select, compact, build the compressed cache and run the continuation again.
-kvpress presses (optional) prefill under the press, then continue the same way; a
-press that masks keys instead of dropping them continues right after its own prefill,
-while its masks are on the model, and the masks are cleared before anything else runs.
-``curkv_cache`` rows run a trained scorer through the runtime CurKVCache at its defaults:
-the context prefilled into the cache at the ratio's keep ratio, then the continuation fed
-a window at a time through the same cache, which keeps compressing as at run time (fed a
-window at a time, it compresses exactly when token-by-token generation would).
-"""
+Per example: prefill the context and run the continuation on the full cache (the
+reference); then for each compression ratio, every compressing row prefills the context
+under its kvpress press (:mod:`curkv_train.eval.methods`) and continues from the cache the
+press left, caches of equal lengths in one batch. A press that masks keys instead of
+dropping them continues right after its own prefill, while its masks are on the model,
+and the masks are cleared before anything else runs. ``curkv_cache`` rows run a trained
+scorer through the runtime CurKVCache at its defaults: the context prefilled into the cache
+at the ratio's keep ratio, then the continuation fed a window at a time through the same
+cache, which keeps compressing as at run time (fed a window at a time, it compresses
+exactly when token-by-token generation would)."""
 
 from __future__ import annotations
 
@@ -26,22 +24,15 @@ from curkv_train.core.shapes import kv_shape
 from curkv_train.core.errors import CurKVError
 from curkv_train.eval.clock import clock
 from curkv_train.eval import kvpress_bridge
-from curkv_train.eval.compressed import (
-    batched_continuation_logits,
-    cache_bytes,
-    compress_prefill,
-    continuation_logits,
-    kept_tokens,
-)
+from curkv_train.eval.compressed import batched_continuation_logits, cache_bytes, continuation_logits, kept_tokens
 from curkv_train.eval.aggregate import result_rows
 from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
-from curkv_train.eval.methods import CURKV, FULL, CurKVScore, ScoreFunction
-from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.eval.kvpress_bridge import PressMethod
+from curkv_train.eval.methods import CURKV, FULL
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.eval.metrics import ExampleSums, continuation_sums
-from curkv_train.eval.prefill import Prefill, prefill
 from curkv_train.eval.statistics import Bootstrap, summarize
 from curkv_train.eval.tasks import MAIN_METRIC, TASKS, TaskExample
 
@@ -53,14 +44,12 @@ class EvalSettings:
     Attributes:
         ratios: compression ratios (kvpress convention: 0.7 drops 70 % of the compressible tokens).
         n_sink, window: always-kept leading / trailing context tokens.
-        seed: base seed (random method, kvpress presses that sample).
+        seed: base seed (the presses that sample).
         backend: compaction kernel backend (auto, torch, triton).
-        kvpress: also run kvpress's own presses (rows ``kvpress:<name>``).
+        kvpress: also run kvpress's presses as kvpress ships them (rows ``kvpress:<name>``).
         kvpress_presses: which presses (names of :data:`kvpress_bridge.PRESSES`); None: every installed one.
         kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
         max_batch: continuations of equal kept length run together, at most this many per forward.
-        baseline_budget: a layer budget our baselines' selections follow too (``--budget_baselines``);
-            None: one ratio for every layer.
         resamples: bootstrap resamples of the examples behind every interval (seeded by ``seed``).
         bootstrap: the resulting :class:`Bootstrap` (derived, not an argument).
     """
@@ -74,7 +63,6 @@ class EvalSettings:
     kvpress_budget: str = "matched"
     kvpress_presses: list[str] | None = None
     max_batch: int = 8
-    baseline_budget: LayerBudget | None = None
     resamples: int = 2000
     bootstrap: Bootstrap = field(init=False, repr=False)
 
@@ -100,17 +88,6 @@ class EvalSettings:
             raise CurKVError(f"{what} length {context_length} must exceed n_sink + window "
                              f"({self.n_sink} + {self.window}); nothing would be compressed at any ratio. "
                              "Raise --context_length or lower --window / --n_sink")
-
-
-def score_layers(model: PreTrainedModel, context: Prefill, methods: dict[str, ScoreFunction | None],
-                 settings: EvalSettings, seed: int) -> dict[str, list[torch.Tensor]]:
-    """Per method, per layer, (batch, kv_heads, tokens) scores; one layer's statistics alive at a time."""
-    scores: dict[str, list[torch.Tensor]] = {name: [] for name, fn in methods.items() if fn is not None}
-    for layer in range(context.num_layers):
-        ctx = context.layer_context(layer, model=model, n_sink=settings.n_sink, window=settings.window, seed=seed)
-        for name in scores:
-            scores[name].append(methods[name](ctx).float())
-    return scores
 
 
 def _budget(cache, context_length: int) -> dict[str, float]:
@@ -147,21 +124,8 @@ def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: to
     return torch.cat(parts, dim=1), budget
 
 
-def layer_budget_of(method: ScoreFunction | None, shared: LayerBudget | None = None) -> LayerBudget | None:
-    """The layer budget ``method``'s selection follows: a trained scorer's own (:attr:`CurKVScore.budget`),
-    any other method's ``shared`` (``--budget_baselines``); None: one ratio for every layer."""
-    return method.budget if isinstance(method, CurKVScore) else shared
-
-
-def keep_ratios(method: ScoreFunction | None, keep_ratio: float,
-                shared: LayerBudget | None = None) -> float | tuple[float, ...]:
-    """ρ split per layer by :func:`layer_budget_of` ``method``, or ρ itself for every layer."""
-    budget = layer_budget_of(method, shared)
-    return keep_ratio if budget is None or keep_ratio >= 1.0 else budget.ratios(keep_ratio)
-
-
 @torch.no_grad()
-def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, ScoreFunction | None],
+def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, PressMethod | None],
                      settings: EvalSettings, seed: int, tokenizer=None,
                      cache_methods: dict[str, Scorer] | None = None) -> list[tuple[str, float, dict[str, float]]]:
     """(method, ratio, sums) for every method and ratio on one example.
@@ -175,34 +139,24 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
     ids = example.input_ids.to(device)
     length = example.context_length
     context_ids, continuation_ids = ids[:, :length], ids[:, length:]
-    needs_queries = any(getattr(fn, "needs_queries", False) for fn in methods.values() if fn is not None)
+    full_cache = DynamicCache(config=model.config)
     started = clock()
-    context = prefill(model, context_ids, capture_queries=needs_queries)
-    prefill_seconds = clock() - started
-    full_cache = compress_prefill(model, context, None, n_sink=settings.n_sink, window=settings.window,
-                                  keep_ratio=1.0)
-    full_budget = {**_budget(full_cache, length), "prefill_seconds": prefill_seconds}
+    model.get_decoder()(input_ids=context_ids, past_key_values=full_cache, use_cache=True)
+    full_budget = {**_budget(full_cache, length), "prefill_seconds": clock() - started}
     reference = continuation_logits(model, full_cache, continuation_ids, length)
 
     def measure(logits: torch.Tensor) -> dict[str, float]:
         return continuation_sums(logits, reference, continuation_ids, example.answer)
 
     rows = [(FULL, 0.0, {**measure(reference), **full_budget})]
-    scores = score_layers(model, context, methods, settings, seed)
-    context.hidden.clear()
+    pressed = {name: method for name, method in methods.items() if method is not None}
     for ratio in settings.ratios:
-        entries = []
-        for name, per_layer in scores.items():
-            cache = compress_prefill(model, context, per_layer, n_sink=settings.n_sink, window=settings.window,
-                                     keep_ratio=keep_ratios(methods[name], 1.0 - ratio, settings.baseline_budget),
-                                     backend=settings.backend)
-            entries.append(_Entry(name, cache, _budget(cache, length)))
+        entries = [_press_entry(model, name, method, context_ids, continuation_ids, ratio, settings, seed, tokenizer,
+                                measure) for name, method in pressed.items()]
         for name, scorer in (cache_methods or {}).items():
             logits, budget = runtime_cache_logits(model, scorer, context_ids, continuation_ids, 1.0 - ratio,
                                                   settings.backend)
             entries.append(_Entry(name, None, budget, measure(logits)))
-        if settings.kvpress:
-            entries += _press_entries(model, context_ids, continuation_ids, ratio, settings, seed, tokenizer, measure)
         pending = [entry for entry in entries if entry.cache is not None]
         all_logits = batched_continuation_logits(model, [entry.cache for entry in pending], continuation_ids, length,
                                                  settings.max_batch)
@@ -212,38 +166,32 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
     return rows
 
 
-def _press_entries(model: PreTrainedModel, context_ids: torch.Tensor, continuation_ids: torch.Tensor, ratio: float,
-                   settings: EvalSettings, seed: int, tokenizer,
-                   measure: Callable[[torch.Tensor], dict[str, float]]) -> list[_Entry]:
-    """Every installed press at compression ``ratio``: one prefill each (KVzip: its reconstruction too).
+def _press_entry(model: PreTrainedModel, name: str, method: PressMethod, context_ids: torch.Tensor,
+                 continuation_ids: torch.Tensor, ratio: float, settings: EvalSettings, seed: int, tokenizer,
+                 measure: Callable[[torch.Tensor], dict[str, float]]) -> _Entry:
+    """Row ``name`` at compression ``ratio``: the context prefilled under its press (KVzip: its reconstruction too).
 
     A press that drops keys leaves its cache for the batched continuation; a masked press is
     continued (and measured) at once, while its masks are on the model, which are then cleared.
     """
     length = context_ids.shape[1]
     shape = kv_shape(model.config)
-    entries = []
-    for name in settings.kvpress_presses:
-        spec = kvpress_bridge.PRESSES[name]
-        press_ratio = kvpress_bridge.press_ratio(
-            length, ratio, n_sink=settings.n_sink, window=settings.window, budget=settings.kvpress_budget,
-            pooled_heads=shape.num_layers * shape.num_kv_heads if spec.global_budget else 1)
-        press = kvpress_bridge.make_press(name, press_ratio, n_sink=settings.n_sink, window=settings.window, seed=seed)
-        pressed = kvpress_bridge.press_cache(model, name, press, context_ids, seed, tokenizer=tokenizer)
-        budget = {"kept_tokens": pressed.kept_tokens, "context_tokens": float(length),
-                  "kv_bytes": float(cache_bytes(pressed.cache)), "prefill_seconds": pressed.prefill_seconds}
-        entry = _Entry(kvpress_bridge.PREFIX + name, pressed.cache, budget)
-        if pressed.masked:
-            with kvpress_bridge.masks_cleared(model):
-                entry.sums = measure(kvpress_bridge.masked_continuation_logits(model, pressed.cache,
-                                                                               continuation_ids, length))
-            entry.cache = None
-        entries.append(entry)
-    return entries
+    press = method.press(length, ratio, seed, n_sink=settings.n_sink, window=settings.window,
+                         budget=settings.kvpress_budget, pooled_heads=shape.num_layers * shape.num_kv_heads)
+    pressed = kvpress_bridge.press_cache(model, method.spec, press, context_ids, seed, tokenizer=tokenizer)
+    budget = {"kept_tokens": pressed.kept_tokens, "context_tokens": float(length),
+              "kv_bytes": float(cache_bytes(pressed.cache)), "prefill_seconds": pressed.prefill_seconds}
+    entry = _Entry(name, pressed.cache, budget)
+    if pressed.masked:
+        with kvpress_bridge.masks_cleared(model):
+            entry.sums = measure(kvpress_bridge.masked_continuation_logits(model, pressed.cache, continuation_ids,
+                                                                           length))
+        entry.cache = None
+    return entry
 
 
 def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
-             methods: dict[str, ScoreFunction | None], settings: EvalSettings,
+             methods: dict[str, PressMethod | None], settings: EvalSettings,
              progress: Callable[[str], None] | None = None, tokenizer=None,
              cache_methods: dict[str, Scorer] | None = None, ours: str = CURKV,
              not_baselines: tuple[str, ...] = ()) -> dict:
@@ -251,7 +199,8 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
 
     Args:
         examples: task name -> its examples.
-        methods: method name -> score function (``full`` -> None).
+        methods: method name -> its press (``full`` -> None; :func:`curkv_train.eval.methods.build_methods`);
+            with ``settings.kvpress``, the ``kvpress:<name>`` rows are added.
         progress: called with one line per finished example.
         tokenizer: the base model's tokenizer (kvpress's KVzip reads it).
         cache_methods: method name -> trained scorer run through the runtime CurKVCache (``curkv_cache``).
@@ -271,8 +220,11 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     for task, task_examples in examples.items():
         for example in task_examples:
             settings.check_context(example.context_length, f"{task} context")
-    if any(layer_budget_of(fn, settings.baseline_budget) is not None for fn in methods.values()):
-        install_runtime_attention(model, factored=False, per_layer=True)
+    if settings.kvpress:
+        methods = {**methods, **{kvpress_bridge.PREFIX + name: kvpress_bridge.kvpress_method(
+            name, n_sink=settings.n_sink, window=settings.window) for name in settings.kvpress_presses}}
+    if any(method is not None and method.layer_budget is not None for method in methods.values()):
+        install_runtime_attention(model, factored=False, per_layer=True)  # layers of a cache hold different counts
     log = ExampleSums()
     seconds: dict[str, float] = {}
     number = 0

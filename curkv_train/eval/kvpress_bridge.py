@@ -1,12 +1,13 @@
-"""kvpress's own presses through the same harness, as a cross-check of our baselines.
+"""Every compressing row of the one-prefill tasks runs a kvpress press inside the context's prefill.
 
 A press compresses inside the prefill (``with press(model): model(context)``); the
-continuation and its scoring are then the same as for every other method. kvpress
-keeps ``int(n·(1 − compression_ratio))`` of all n tokens per (layer, KV head), with no
-protected sinks or window unless the press protects them itself. With
-``budget="matched"`` the press's compression ratio is set so it keeps exactly as many
-tokens as our selection path (sinks + window + ⌈ρ·n_compressible⌉); with ``"nominal"``
-it gets the ratio as given. Either way the measured kept tokens and bytes are reported.
+continuation and its scoring are then the same for every row. kvpress keeps
+``int(n·(1 − compression_ratio))`` of all n tokens per (layer, KV head). A row's
+:class:`PressMethod` sets that ratio so the row keeps exactly our selection's count (sinks +
+window + ⌈ρ·n_compressible⌉, :func:`press_ratio`), per layer under a layer budget (kvpress's
+``PerLayerCompressionPress``); the ``kvpress:<name>`` rows (``--kvpress``) run kvpress's presses
+as kvpress ships them, with ``--kvpress_budget matched`` the same count, with ``nominal`` the
+ratio as given. Either way the measured kept tokens and bytes are reported.
 
 Two kinds of press need more than that:
 
@@ -35,17 +36,18 @@ from __future__ import annotations
 import copy
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from curkv_train.core.errors import CurKVError
 from curkv_train.core.observation import attention_modules
 from curkv_train.core.selection import expected_kept
-from curkv_train.core.errors import CurKVError
 from curkv_train.eval.clock import clock
+from curkv_train.runtime.allocation import LayerBudget
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class PressSpec:
     """How the harness runs one kvpress press.
 
     Attributes:
-        cls: kvpress class name (the press is skipped where the installed kvpress lacks it).
+        cls: kvpress class name (the press is skipped where the installed kvpress lacks it), or the name of
+            a press of :mod:`curkv_train.eval.baseline_presses` (``h2o``: kvpress has no such press).
         eager: reads attention weights, so the prefill runs with eager attention.
         masked: keeps the full cache and masks evicted keys (fake compression).
         global_budget: the compression ratio counts keys over all layers together.
@@ -88,6 +91,11 @@ PRESSES = {
     "adakv": PressSpec("AdaKVPress", masked=True),
     "kvzip": PressSpec("KVzipPress", masked=True, global_budget=True, reads_tokenizer=True, single_pass=False),
 }
+# presses of ours (curkv_train.eval.baseline_presses), for the baselines kvpress has no press of
+OWN_PRESSES = {"h2o": PressSpec("H2OPress", eager=True)}
+# baseline method -> the press it runs (a key of PRESSES or OWN_PRESSES)
+BASELINE_PRESSES = {"random": "random", "streaming_llm": "streaming_llm", "h2o": "h2o", "snapkv": "snapkv",
+                    "tova": "tova", "knorm": "knorm", "curdkv": "cur", "expected_attention": "expected_attention"}
 BUDGETS = ("matched", "nominal")
 PREFIX = "kvpress:"
 
@@ -149,12 +157,30 @@ def press_ratio(context_length: int, compression_ratio: float, *, n_sink: int, w
     return max(0.0, 1.0 - (kept + 0.5) / context_length)
 
 
-def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int, seed: int):
-    """A kvpress press ``name`` with its hyper-parameters aligned with ours (sinks, SnapKV window).
+@contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """Warnings of ``logger`` silenced inside the block (errors still shown)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int, seed: int | None):
+    """Press ``name`` (a key of :data:`PRESSES` or :data:`OWN_PRESSES`) with its hyper-parameters aligned with
+    ours (sinks, SnapKV's observation window = ``window``); ``seed`` None: RandomPress draws from the global
+    generator (:func:`press_cache` seeds it).
 
     AdaKV and CriticalKV wrap ExpectedAttention (CriticalKV without its value norm, which
     CriticalKV replaces by the norm of the projected values).
     """
+    if name in OWN_PRESSES:
+        from curkv_train.eval import baseline_presses
+
+        return getattr(baseline_presses, OWN_PRESSES[name].cls)(compression_ratio=compression_ratio)
     kvpress = _kvpress()
     if name == "adakv":
         return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=compression_ratio, n_sink=n_sink))
@@ -162,16 +188,67 @@ def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int,
         return kvpress.CriticalKVPress(kvpress.ExpectedAttentionPress(compression_ratio=compression_ratio,
                                                                       n_sink=n_sink, use_vnorm=False))
     extra = {"streaming_llm": {"n_sink": n_sink}, "expected_attention": {"n_sink": n_sink},
-             "cur": {"num_sinks": n_sink}, "snapkv": {"window_size": window}, "random": {"seed": seed},
+             "cur": {"num_sinks": n_sink}, "snapkv": {"window_size": max(1, window)}, "random": {"seed": seed},
              "kvzip": {"n_sink": n_sink}, "lagkv": {"n_sink": n_sink}, "compactor": {"sink_size_start": n_sink}}
-    # KVzip warns of its 2-3 prefills at every construction; the harness reports their time instead
-    quiet = logging.getLogger("kvpress.presses.kvzip_press")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with _quiet("kvpress.presses.kvzip_press"):  # KVzip warns of its 2-3 prefills; the harness reports their time
         return getattr(kvpress, PRESSES[name].cls)(compression_ratio=compression_ratio, **extra.get(name, {}))
-    finally:
-        quiet.setLevel(level)
+
+
+@dataclass(frozen=True)
+class PressMethod:
+    """A compressing row: the press it runs and the tokens it is given.
+
+    Attributes:
+        spec: how the harness runs the press (eager attention, masks, a global budget).
+        make: (compression ratio, seed) -> the press at that ratio.
+        layer_budget: the layer budget the row's per-layer counts follow (kvpress's PerLayerCompressionPress);
+            None: one ratio for every layer.
+        matched: given our selection's count (sinks + window + ⌈ρ·n_compressible⌉ per (layer, KV head));
+            False: the run's ``--kvpress_budget`` decides.
+    """
+
+    spec: PressSpec
+    make: Callable[[float, int | None], object]
+    layer_budget: LayerBudget | None = None
+    matched: bool = True
+
+    def press(self, context_length: int, compression_ratio: float, seed: int | None, *, n_sink: int, window: int,
+              budget: str = "matched", pooled_heads: int = 1):
+        """The press for a context of ``context_length`` tokens at ``compression_ratio`` (``pooled_heads``:
+        layers × KV heads, read by presses with a global budget)."""
+        budget = "matched" if self.matched else budget
+        keep = 1.0 - compression_ratio
+        if self.layer_budget is None or keep >= 1.0:
+            return self.make(press_ratio(context_length, compression_ratio, n_sink=n_sink, window=window,
+                                         budget=budget, pooled_heads=pooled_heads if self.spec.global_budget else 1),
+                             seed)
+        ratios = [press_ratio(context_length, 1.0 - layer_keep, n_sink=n_sink, window=window, budget="matched")
+                  for layer_keep in self.layer_budget.ratios(keep)]
+        # it warns that it needs flash attention: the runtime's attention wrapper fits each layer's mask instead
+        with _quiet("kvpress.presses.per_layer_compression_press"):
+            return _kvpress().PerLayerCompressionPress(self.make(0.0, seed), ratios)
+
+
+def baseline_method(name: str, *, n_sink: int, window: int, layer_budget: LayerBudget | None = None) -> PressMethod:
+    """Baseline ``name`` (a key of :data:`BASELINE_PRESSES`): its press's scores with the sinks and the recent
+    window kept (:class:`~curkv_train.eval.baseline_presses.ProtectedPress`), the selection of every row."""
+    press = BASELINE_PRESSES[name]
+    spec = PRESSES.get(press) or OWN_PRESSES[press]
+
+    def make(compression_ratio: float, seed: int | None):
+        from curkv_train.eval.baseline_presses import ProtectedPress
+
+        # the random baseline draws from the global generator: other draws in every layer
+        inner = make_press(press, compression_ratio, n_sink=n_sink, window=window, seed=None)
+        return ProtectedPress(compression_ratio=compression_ratio, press=inner, n_sink=n_sink, window=window)
+
+    return PressMethod(spec, make, layer_budget)
+
+
+def kvpress_method(name: str, *, n_sink: int, window: int) -> PressMethod:
+    """kvpress's press ``name`` as kvpress ships it (its own protected tokens, if any), the ``kvpress:<name>`` row."""
+    return PressMethod(PRESSES[name], lambda ratio, seed: make_press(name, ratio, n_sink=n_sink, window=window,
+                                                                      seed=seed), matched=False)
 
 
 @dataclass
@@ -272,18 +349,19 @@ def _attention(model: PreTrainedModel, implementation: str | None) -> Iterator[N
 
 
 @torch.no_grad()
-def press_cache(model: PreTrainedModel, name: str, press, context_ids: torch.Tensor, seed: int,
+def press_cache(model: PreTrainedModel, spec: PressSpec, press, context_ids: torch.Tensor, seed: int,
                 tokenizer=None) -> PressedCache:
-    """Prefill ``context_ids`` (1, tokens) under ``press``; the cache it leaves and what it keeps.
+    """Prefill ``context_ids`` (1, tokens) under ``press`` (run as ``spec`` says); the cache it leaves and what it keeps.
 
     Presses that read attention weights run with eager attention, restored afterwards. After a
     masked press the masks stay on the model for the continuation: run it inside
     :func:`masks_cleared`.
     """
-    spec = PRESSES[name]
     cache = DynamicCache(config=model.config)
     torch.manual_seed(seed)  # presses that sketch or sample draw from the global generator
     clear_masks(model)
+    if isinstance(press, _kvpress().PerLayerCompressionPress):
+        press.press.post_init_from_model(model)  # kvpress calls the wrapper's own (a no-op), not its press's
     tokenizer_scope = _local_tokenizer(model, tokenizer) if spec.reads_tokenizer else nullcontext()
     with _attention(model, "eager" if spec.eager else None), tokenizer_scope:
         started = clock()  # the press's own work: its hooks, KVzip's reconstruction and tokenizer load

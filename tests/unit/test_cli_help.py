@@ -1,6 +1,6 @@
 """One root parser: `curkv-train --help` and every subcommand's page list their options, and print no warning."""
 
-import inspect
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from curkv_train.cli import main
-from curkv_train.eval.cli import run_eval
+from curkv_train.eval.cli import EvalConfig
 from curkv_train.training.recipes import list_recipes
 
 # Subcommand -> options its --help must list (all generated from signatures and docstrings).
@@ -18,7 +18,7 @@ HELP_PAGES = {
             "--checkpoint.every_n_train_steps", "--throughput.window_size", "--output_guard.min_free_gb"],
     "validate": ["--recipe", "--ckpt_path", "--model.base_model", "--data.val_size"],
     "export": ["--ckpt", "--out", "--base_model", "--overwrite"],
-    "eval": [f"--{name}" for name in inspect.signature(run_eval).parameters],
+    "eval": [f"--{field.name}" for field in dataclasses.fields(EvalConfig)],
     "compare": ["--run", "--pairs"],
     "plan": ["--recipe", "--devices", "--num_nodes", "--batch_size", "--json"],
     "recipes": ["List the recipes"],

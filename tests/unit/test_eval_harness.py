@@ -153,8 +153,8 @@ def test_scorer_of_an_unreachable_hub_model_uses_its_training_fallback(tmp_path,
     assert code == 0, err
 
 
-def test_options_come_from_run_eval_signature():
-    parser = function_parser(eval_cli.run_eval)
+def test_options_come_from_the_config_dataclass():
+    parser = function_parser(eval_cli.EvalConfig)
     namespace = parser.parse_args(["--scorer", "none", "--context_length", "64", "--kvpress", "true", "--ratios=0.5"])
     assert namespace.context_length == 64 and namespace.kvpress is True and namespace.ratios == [0.5]
     assert parser.parse_args(["--scorer", "x"]).kvpress is False

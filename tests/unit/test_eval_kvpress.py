@@ -1,9 +1,10 @@
-"""kvpress's own presses through the harness (cross-check), and our scores against theirs."""
+"""Every compressing row through kvpress's presses: the baselines, the ``kvpress:<name>`` rows, masks and budgets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 kvpress = pytest.importorskip("kvpress")
 
@@ -12,16 +13,10 @@ from curkv_train.core.selection import expected_kept  # noqa: E402
 from curkv_train.core.shapes import kv_shape  # noqa: E402
 from curkv_train.core.errors import CurKVError  # noqa: E402
 from curkv_train.eval import kvpress_bridge  # noqa: E402
-from curkv_train.eval.compressed import cache_from_layers, continuation_logits  # noqa: E402
+from curkv_train.eval.baseline_presses import H2OPress, ProtectedPress  # noqa: E402
+from curkv_train.eval.compressed import continuation_logits  # noqa: E402
 from curkv_train.eval.harness import EvalSettings, evaluate  # noqa: E402
-from curkv_train.eval.methods import (  # noqa: E402
-    CurDKVScore,
-    ExpectedAttentionScore,
-    KNormScore,
-    SnapKVScore,
-    build_methods,
-)
-from curkv_train.eval.prefill import prefill  # noqa: E402
+from curkv_train.eval.methods import BASELINES, build_methods  # noqa: E402
 from curkv_train.eval.tasks import TaskExample  # noqa: E402
 from curkv_train.models.base import TINY_RANDOM, load_base_model, load_tokenizer  # noqa: E402
 
@@ -85,13 +80,19 @@ def pressed(model, name: str, context_ids: torch.Tensor, compression_ratio: floa
                                        budget="matched",
                                        pooled_heads=shape.num_layers * shape.num_kv_heads if spec.global_budget else 1)
     press = kvpress_bridge.make_press(name, ratio, n_sink=N_SINK, window=WINDOW, seed=0)
-    return kvpress_bridge.press_cache(model, name, press, context_ids, seed=0, tokenizer=load_tokenizer(TINY_RANDOM))
+    return kvpress_bridge.press_cache(model, spec, press, context_ids, seed=0, tokenizer=load_tokenizer(TINY_RANDOM))
+
+
+def prefill(model, context_ids: torch.Tensor):
+    """The full cache of ``context_ids`` (a DynamicCache: ``.layers[l].keys``, (1, kv_heads, tokens, head_dim))."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=context_ids, past_key_values=cache, use_cache=True)
+    return cache
 
 
 def full_logits(model, context_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
-    context = prefill(model, context_ids, capture_queries=False)
-    return continuation_logits(model, cache_from_layers(model, context.keys, context.values), continuation_ids,
-                               context_ids.shape[1])
+    return continuation_logits(model, prefill(model, context_ids), continuation_ids, context_ids.shape[1])
 
 
 @pytest.mark.parametrize("name", MASKED)
@@ -134,8 +135,9 @@ def test_kvzip_reconstructs_the_context_under_a_global_budget(model):
 
 
 def kept_positions(full_keys: torch.Tensor, kept_keys: torch.Tensor) -> list[set[int]]:
-    """Per KV head (batch 0), the context positions whose keys a compressed cache holds."""
-    return [{int((full_keys[0, head] == key).all(dim=-1).nonzero()[0]) for key in kept_keys[0, head]}
+    """Per KV head (batch 0), the context positions whose keys a compressed cache holds (the nearest key: an eager
+    prefill rounds other than the full cache's)."""
+    return [{int((full_keys[0, head] - key).abs().amax(dim=-1).argmin()) for key in kept_keys[0, head]}
             for head in range(full_keys.shape[1])]
 
 
@@ -145,19 +147,20 @@ def test_a_press_that_drops_keys_keeps_our_budget_and_its_protected_tokens(model
     ids = torch.randint(0, 500, (1, length), generator=torch.Generator().manual_seed(8))
     ratio = 0.2 if name == "lagkv" else 0.5
     result = pressed(model, name, ids, compression_ratio=ratio)
-    full = prefill(model, ids, capture_queries=False)
+    full = prefill(model, ids)
     kept = expected_kept(length, N_SINK, WINDOW, 1 - ratio)
     for layer in range(model.config.num_hidden_layers):
         keys = result.cache.layers[layer].keys
         assert keys.shape[2] == result.kept_tokens == kept and not result.masked
-        positions = kept_positions(full.keys[layer], keys)
+        positions = kept_positions(full.layers[layer].keys, keys)
         protected = {"compactor": set(range(N_SINK)) | set(range(length - 4, length)),  # sink_size_end = 4
                      "criticalkv": set(range(N_SINK)), "keydiff": set(),
                      "lagkv": set(range(N_SINK)) | set(range(4 + 128, length))}[name]  # sinks + the last lags
         assert all(protected <= head for head in positions)
         if name == "keydiff":  # keeps the keys least similar to the mean direction
-            normal = torch.nn.functional.normalize(full.keys[layer], dim=-1)
-            similarity = torch.nn.functional.cosine_similarity(full.keys[layer], normal.mean(2, keepdim=True), dim=-1)
+            full_keys = full.layers[layer].keys
+            normal = torch.nn.functional.normalize(full_keys, dim=-1)
+            similarity = torch.nn.functional.cosine_similarity(full_keys, normal.mean(2, keepdim=True), dim=-1)
             expected = (-similarity).topk(kept, dim=-1).indices[0]
             assert positions == [set(head.tolist()) for head in expected]
 
@@ -168,59 +171,51 @@ def test_nominal_budget_is_kvpress_own_count(model):
     assert rows["streaming_llm"]["kept_tokens"] == 4 + 16 + 38
 
 
-def layer_inputs(model, ids: torch.Tensor, layer: int):
-    """(attention module of ``layer``, its input hidden states, its keyword arguments, the Prefill)."""
-    captured = {}
-    module = model.get_decoder().layers[layer].self_attn
-
-    def hook(module, args, kwargs, output):
-        captured.update(kwargs)
-
-    handle = module.register_forward_hook(hook, with_kwargs=True)
-    try:
-        context = prefill(model, ids)
-    finally:
-        handle.remove()
-    return module, captured["hidden_states"], captured, context
+# baseline -> the press whose scores rank its tokens
+KVPRESS_CLASSES = {"random": kvpress.RandomPress, "streaming_llm": kvpress.StreamingLLMPress, "h2o": H2OPress,
+                   "snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress, "knorm": kvpress.KnormPress,
+                   "curdkv": kvpress.CURPress, "expected_attention": kvpress.ExpectedAttentionPress}
 
 
-def test_scores_match_kvpress_definitions():
-    model = load_base_model(TINY_RANDOM)  # kvpress attaches rotary_emb to the attention modules
-    ids = torch.randint(0, 500, (1, CONTEXT), generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("name", BASELINES)
+def test_every_baseline_runs_a_kvpress_press_and_keeps_our_count_and_spans(model, name):
+    """The baseline's row is kvpress's press under ProtectedPress: our count per (layer, KV head), sinks and
+    window held, and the rest kvpress's own top-scored (checked for knorm: the lowest key norms)."""
+    ids = examples(1)[0].input_ids[:, :CONTEXT]
+    method = build_methods([name], None, n_sink=N_SINK, window=WINDOW)[name]
+    press = method.press(CONTEXT, 0.5, 0, n_sink=N_SINK, window=WINDOW)
+    assert isinstance(press, ProtectedPress) and type(press.press) is KVPRESS_CLASSES[name]
+    calls = []
+    score = press.press.score
+    press.press.score = lambda *args: calls.append(1) or score(*args)
+    result = kvpress_bridge.press_cache(model, method.spec, press, ids, seed=0)
+    assert len(calls) == model.config.num_hidden_layers  # kvpress's score ranked every layer
+    full = prefill(model, ids)
     for layer in range(model.config.num_hidden_layers):
-        module, hidden, kwargs, context = layer_inputs(model, ids, layer)
-        module.rotary_emb = model.get_decoder().rotary_emb
-        ctx = context.layer_context(layer, model=model, n_sink=N_SINK, window=WINDOW, seed=0)
-        keys, values = ctx.keys, ctx.values
-
-        theirs = kvpress.ExpectedAttentionPress(n_sink=N_SINK).score(module, hidden, keys, values, None, kwargs)
-        assert torch.allclose(ExpectedAttentionScore(n_sink=N_SINK)(ctx), theirs, rtol=1e-4, atol=1e-6)
-        theirs = kvpress.CURPress(num_sinks=N_SINK).score(module, hidden, keys, values, None, kwargs)
-        assert torch.allclose(CurDKVScore()(ctx)[..., N_SINK:], theirs[..., N_SINK:], rtol=1e-4, atol=1e-7)
-        theirs = kvpress.KnormPress().score(module, hidden, keys, values, None, kwargs)
-        assert torch.allclose(KNormScore()(ctx), theirs)
+        held = result.cache.layers[layer].keys
+        assert held.shape[2] == result.kept_tokens == MATCHED_KEPT
+        positions = kept_positions(full.layers[layer].keys, held)
+        protected = set(range(N_SINK)) | set(range(CONTEXT - WINDOW, CONTEXT))
+        assert all(protected <= head for head in positions)
+        if name == "knorm":
+            norms = full.layers[layer].keys[0, :, N_SINK : CONTEXT - WINDOW].norm(dim=-1)
+            lowest = norms.topk(MATCHED_KEPT - N_SINK - WINDOW, largest=False).indices + N_SINK
+            assert [head - protected for head in positions] == [set(row.tolist()) for row in lowest]
 
 
-def test_snapkv_keeps_the_tokens_kvpress_snapkv_keeps():
-    """Same scores as kvpress's SnapKVPress, so the same top-k at every budget (window = observation window)."""
-    model = load_base_model(TINY_RANDOM)
-    ids = torch.randint(0, 500, (1, CONTEXT), generator=torch.Generator().manual_seed(6))
-    for layer in range(model.config.num_hidden_layers):
-        module, hidden, kwargs, context = layer_inputs(model, ids, layer)
-        ctx = context.layer_context(layer, model=model, n_sink=N_SINK, window=WINDOW, seed=0)
-        theirs = kvpress.SnapKVPress(window_size=WINDOW).score(module, hidden, ctx.keys, ctx.values, None, kwargs)
-        ours = SnapKVScore(window_size=WINDOW)(ctx)
-        assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-6)
-        for kept in (8, 24, 48):
-            assert top_k_overlap(ours, theirs, kept) == 1.0
+def test_a_layer_budget_gives_each_layer_its_matched_count(model):
+    """A baseline under a layer budget (--budget_baselines) runs kvpress's PerLayerCompressionPress at our
+    per-layer counts."""
+    from curkv_train.runtime.allocation import LayerBudget
 
-
-def top_k_overlap(ours: torch.Tensor, theirs: torch.Tensor, kept: int) -> float:
-    """Share of the (batch, KV head, position) top-``kept`` of ``theirs`` that ``ours`` also keeps."""
-    def chosen(scores):
-        indices = scores.topk(kept, dim=-1).indices
-        return {(b, h, int(i)) for b in range(indices.shape[0]) for h in range(indices.shape[1]) for i in indices[b, h]}
-    return len(chosen(ours) & chosen(theirs)) / len(chosen(theirs))
+    budget = LayerBudget((0.2, 3.0), 1.0)
+    method = build_methods(["knorm"], None, n_sink=N_SINK, window=WINDOW, baseline_budget=budget)["knorm"]
+    press = method.press(CONTEXT, 0.5, 0, n_sink=N_SINK, window=WINDOW)
+    assert isinstance(press, kvpress.PerLayerCompressionPress)
+    result = kvpress_bridge.press_cache(model, method.spec, press, examples(1)[0].input_ids[:, :CONTEXT], seed=0)
+    held = [layer.keys.shape[2] for layer in result.cache.layers]
+    assert held == [expected_kept(CONTEXT, N_SINK, WINDOW, share) for share in budget.ratios(0.5)]
+    assert held[0] < MATCHED_KEPT < held[1]
 
 
 def test_a_press_subset_runs_only_those_presses(model):

@@ -12,8 +12,6 @@ from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.selection import compressible_mask
 from curkv_train.core.shapes import kv_shape
 from curkv_train.core.errors import CurKVError
-from curkv_train.eval.context import LayerContext
-from curkv_train.eval.methods import ExpectedAttentionScore
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.training.capture import estimator_inputs, prefill_context
 from curkv_train.models.seed_estimator import ValueEstimator, position_features
@@ -114,18 +112,20 @@ def test_keep_one_generation_is_unchanged(model, ids, family):
 
 def test_untrained_query_aware_ranks_like_expected_attention(model, ids):
     """Before training, z = log expected attention + log ||v|| (centred): the ExpectedAttention baseline's
-    order (statistics of every query but the sinks', the value norm) on every non-sink token."""
+    order (kvpress's ExpectedAttentionPress: statistics of every query but the sinks', the value norm) on every
+    non-sink token."""
     shape = kv_shape(model.config)
     estimator = build_estimator("query_aware", shape, future_positions=64, statistics_skip=4)
     base = patch_model(load_base_model(TINY_RANDOM))
     capture = prefill_context(base, ids, record_hidden=True)
     with torch.no_grad():
         logits = estimator(estimator_inputs(base, estimator, capture, "pre_rope"))
+    rule = pytest.importorskip("kvpress").ExpectedAttentionPress(n_future_positions=64, n_sink=4)
     for layer in range(shape.num_layers):
-        ctx = LayerContext(layer=layer, keys=capture.cached_keys(layer), values=capture.values[layer],
-                           positions=capture.positions, hidden=capture.hidden[layer], model=base, n_sink=4)
-        rule = ExpectedAttentionScore(n_future_positions=64, n_sink=4)(ctx)
-        assert torch.equal(logits[layer][..., 4:].argsort(dim=-1), rule[..., 4:].argsort(dim=-1))
+        module = base.get_decoder().layers[layer].self_attn
+        module.rotary_emb = base.get_decoder().rotary_emb  # what kvpress's ``with press(model)`` sets
+        scores = rule.score(module, capture.hidden[layer], capture.cached_keys(layer), capture.values[layer], None, {})
+        assert torch.equal(logits[layer][..., 4:].argsort(dim=-1), scores[..., 4:].argsort(dim=-1))
 
 
 def test_query_aware_cache_without_observations_is_an_error(model):
