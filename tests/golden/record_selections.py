@@ -17,7 +17,7 @@ import torch
 GOLDEN = Path(__file__).with_name("selections.json")
 BASE = "embedded:smollm2-135m-instruct"
 KEEP_RATIO = 0.5
-TOKENS = 1024
+TOKENS = 512
 
 
 def digest(tensor: torch.Tensor) -> str:
