@@ -2,9 +2,8 @@
 
 The ablation reading of a run: for each pair ``A..B`` (method names as in the run's rows; ``..``
 because names hold ``:``), per task and ratio, A's main metric minus B's on the same examples,
-with the paired 95 % bootstrap interval and the verdict the run's summary uses (resampled as the rows record:
-perplexity examples by held-out document, synthetic ones one by one, streaming segments by document; runs written
-before rows recorded their groups resample prefill examples one by one)::
+with the paired 95 % bootstrap interval and the verdict the run's summary uses (resampled as the rows record in
+``example_groups``: perplexity examples by held-out document, streaming segments by file, the rest one by one)::
 
     curkv-train compare --run runs/eval-ablation --pairs "curkv:query_aware_dense..curkv:query_aware"
 
@@ -29,9 +28,8 @@ SEPARATOR = ".."
 
 def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     """(method, setting, task) -> (row, kind, metric, full row, bootstrap, groups) of a run's prefill rows
-    (setting: the ratio; examples resampled by the row's ``example_groups``, one by one without) and streaming
-    rows (setting: the memory setting's label; the metric is the perplexity increase; segments resampled by the
-    row's ``example_groups``, by file, in runs written before rows kept them by their documents' lengths)."""
+    (setting: the ratio) and streaming rows (setting: the memory setting's label; the metric is the perplexity
+    increase); examples are resampled by the row's ``example_groups``, one by one without."""
     cells = {}
     prefill = {(row["method"], row["ratio"], row["task"]): row for row in results["rows"]}
     bootstrap = Bootstrap(**results["bootstrap"])
@@ -42,28 +40,9 @@ def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     stream = {(row["method"], row["setting"], row["task"]): row for row in streaming["rows"]}
     bootstrap = Bootstrap(**streaming["bootstrap"])
     for (method, setting, task), row in stream.items():
-        groups = row.get("example_groups") or _document_of_segments(streaming, task, len(row["example_sums"]["nll"]))
-        groups = _file_of_documents(streaming, task, groups)
-        cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)), bootstrap, groups)
+        cells[(method, setting, task)] = (row, "ppl", STREAM_METRIC, stream.get((FULL, FULL, task)), bootstrap,
+                                          row.get("example_groups"))
     return cells
-
-
-def _document_of_segments(streaming: dict, task: str, segments: int) -> list[int] | None:
-    """Each segment's document in a run written before rows kept ``example_groups`` (2026-12-05), from its
-    documents' lengths, prefix and segment size; None where they do not account for ``segments``."""
-    counts = [-(-(document["tokens"] - streaming["prefix"]) // streaming["segment"])
-              for document in (streaming.get("documents") or {}).get(task, [])]
-    groups = [number for number, count in enumerate(counts) for _ in range(count)]
-    return groups if len(groups) == segments else None
-
-
-def _file_of_documents(streaming: dict, task: str, groups: list | None) -> list | None:
-    """Segments labelled by document number (runs written before rows recorded files) relabelled by each
-    document's first source file, so that documents cut from one file are drawn together; other labels as they are."""
-    documents = (streaming.get("documents") or {}).get(task, [])
-    if not groups or not all(isinstance(group, int) and 0 <= group < len(documents) for group in groups):
-        return groups
-    return [(documents[group].get("sources") or [str(group)])[0] for group in groups]
 
 
 def _row_at(cells: dict, method: str, setting: str, task: str, full_row: dict | None) -> dict | None:

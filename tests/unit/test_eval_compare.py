@@ -129,28 +129,3 @@ def test_methods_without_a_common_setting_are_one_error():
     run["rows"][1]["ratio"] = 0.7
     with pytest.raises(CurKVError, match="share no task and setting in this run \\(a: 0.5; b: 0.7\\)"):
         compare_methods(run, "a", "b")
-
-
-def test_streaming_rows_of_older_runs_are_resampled_by_the_documents_their_lengths_give():
-    from curkv_train.eval.compare import _document_of_segments
-
-    documents = {"stream_text": [{"tokens": 1024 + 6 * 512}, {"tokens": 1024 + 5 * 512 + 100}]}
-    streaming = {"documents": documents, "prefix": 1024, "segment": 512}
-    assert _document_of_segments(streaming, "stream_text", 12) == [0] * 6 + [1] * 6
-    assert _document_of_segments(streaming, "stream_text", 11) is None  # lengths that do not add up: by segment
-    run = {"rows": [], "main_metric": {}, "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0},
-           "streaming": {"rows": [stream_row("full", 2.0, "full"), stream_row("a", 2.1), stream_row("b", 2.3)],
-                         "bootstrap": {"resamples": 500, "confidence": 0.95, "seed": 0}}}
-    by_segment = compare_methods(run, "a", "b")[0]["interval"]
-    run["streaming"].update(streaming)
-    by_document = compare_methods(run, "a", "b")[0]["interval"]
-    assert by_document != by_segment
-
-
-def test_documents_of_older_streaming_runs_are_drawn_by_their_file():
-    from curkv_train.eval.compare import _file_of_documents
-
-    streaming = {"documents": {"stream_text": [{"sources": ["news"]}, {"sources": ["todo"]}, {"sources": ["news"]}]}}
-    assert _file_of_documents(streaming, "stream_text", [0, 0, 1, 1, 2, 2]) == ["news"] * 2 + ["todo"] * 2 + ["news"] * 2
-    assert _file_of_documents(streaming, "stream_text", ["a", "b"]) == ["a", "b"]  # a newer run's files, as they are
-    assert _file_of_documents(streaming, "stream_text", [0, 5]) == [0, 5] and _file_of_documents({}, "t", None) is None
