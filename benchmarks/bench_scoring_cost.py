@@ -53,9 +53,10 @@ from curkv_train.core.shapes import kv_shape
 from curkv_train.models.base import freeze, load_base_model
 from curkv_train.models.configs import load_model_config
 from curkv_train.models.families import build_estimator
-from curkv_train.runtime import CurKVCache, Scorer, load_scorer
-from curkv_train.runtime.cache import SCORING_BATCH_TOKENS
+from curkv_train.runtime import CurKVCache, Scorer, TierConfig, load_scorer
+from curkv_train.runtime.cache_config import SCORING_BATCH_TOKENS
 from curkv_train.runtime.layer import CurKVLayer
+from operator_count import added_per_layer  # beside this script
 from timing import FAULTS, TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
 
 
@@ -140,7 +141,7 @@ def agreement(model, scorer: Scorer, context: int) -> str:
     Scorer.score_layer = both
     try:
         with torch.no_grad():
-            model(ids.to(model.device), past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False),
+            model(ids.to(model.device), past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5),
                   logits_to_keep=1)
     finally:
         Scorer.score_layer = original
@@ -175,8 +176,9 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
 
     def cached() -> None:
         with torch.no_grad():
-            model(ids, past_key_values=CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False,
-                                                  scoring_batch_tokens=batch_tokens), logits_to_keep=1)
+            cache = CurKVCache(scorer, model=model, keep_ratio=0.5,
+                               tiers=TierConfig(scoring_batch_tokens=batch_tokens))
+            model(ids, past_key_values=cache, logits_to_keep=1)
 
     rounds = []
     for _ in range(repeats + 1):
@@ -202,6 +204,12 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
             "score_share_range": [round(f(shares["score"]), 4) for f in (min, max)],
             "score_page_faults": int(statistics.median([r["score_faults"] for r in rounds])),
             "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
+
+
+def operators_added(model, scorer: Scorer, context: int, batch_tokens: int) -> dict:
+    """Aten operators and Triton launches per layer that a CurKVCache prefill adds (operator_count.py)."""
+    tiers = TierConfig(scoring_batch_tokens=batch_tokens)
+    return added_per_layer(model, lambda: CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=tiers), context)
 
 
 def main() -> None:
@@ -248,6 +256,7 @@ def main() -> None:
         row = {**measure(model, scorer, context, args.repeats, args.scoring_batch_tokens), "compiled": args.compile,
                "scoring_batch_tokens": args.scoring_batch_tokens, "skipped_features": skipped,
                "feature_backend": args.feature_backend}
+        row["operators"] = operators_added(model, scorer, context, args.scoring_batch_tokens)
         rows.append(row)
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
               f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "
@@ -258,6 +267,10 @@ def main() -> None:
         low, high = row["score_share_range"]
         print(f"{row['context']:>8}: score share per round {low:.1%} to {high:.1%}; "
               f"{row['score_page_faults']} page faults scoring a prefill")
+        operators = row["operators"]
+        print(f"{row['context']:>8}: the cache adds {operators['operators_per_layer']:.1f} operators per layer "
+              f"({operators['aten_per_layer']:.1f} aten, {operators['triton_per_layer']:.1f} Triton launches; "
+              f"the plain prefill dispatches {operators['plain_aten_per_layer']:.1f} aten operators per layer)")
     for row in rows:
         print(json.dumps(row))
 

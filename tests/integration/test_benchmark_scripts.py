@@ -22,6 +22,7 @@ def test_scoring_cost_runs_with_every_attention_sized_feature_skipped():
     assert result.returncode == 0, result.stderr[-2000:]
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert record["context"] == 512 and record["score_s"] > 0
+    assert record["operators"]["operators_per_layer"] > 0 and "operators per layer" in result.stdout
     low, high = record["score_share_range"]
     assert 0 < low <= record["score_share"] <= high
     assert record["skipped_features"] == ["window_attention", "expected_attention", "output_norm"]
