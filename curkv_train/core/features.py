@@ -28,6 +28,8 @@ eager scoring, by the fused Triton kernels of :mod:`curkv_train.kernels.query_fe
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
@@ -220,20 +222,26 @@ def window_mass(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
     return (weight.unsqueeze(-2) @ probs).squeeze(-2)
 
 
+# per module, the last result of future_rotation (rotary modules) and output_gram (attention modules): beside the
+# model, not on it (a user's model is left as it was)
+_future_rotations: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+_output_grams: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
 @torch.compiler.disable  # a cache lookup, like output_gram: traced, its key would be a guard
 def future_rotation(model: PreTrainedModel, end: int, future_positions: int, head_dim: int,
                     like: torch.Tensor) -> torch.Tensor:
     """(head_dim, head_dim) RoPE averaged over [end, end + future_positions) (:func:`~curkv_train.core.rope.
-    average_rotation`), kept on the model's rotary module for the last ``end`` asked: every layer of a
-    compression round asks for the same one."""
+    average_rotation`), kept per rotary module for the last ``end`` asked: every layer of a compression round asks
+    for the same one."""
     rotary = rotary_module(model)
     if rotary is None:
         return average_rotation(model, end, future_positions, head_dim, like)
     key = (end, future_positions, head_dim, like.device, rotary.inv_freq.data_ptr(), rotary.inv_freq._version)
-    cached = getattr(rotary, "_curkv_future_rotation", None)
+    cached = _future_rotations.get(rotary)
     if cached is None or cached[0] != key:
         cached = (key, average_rotation(model, end, future_positions, head_dim, like))
-        rotary._curkv_future_rotation = cached
+        _future_rotations[rotary] = cached
     return cached[1]
 
 
@@ -315,13 +323,13 @@ def head_output_norms(module: torch.nn.Module, values: torch.Tensor, group: int,
 def output_gram(module: torch.nn.Module, kv_heads: int, group: int) -> torch.Tensor:
     """W_O^(h,g)ᵀ·W_O^(h,g) for every (KV head h, query head g): (kv_heads, group, head_dim, head_dim) float32.
 
-    Kept on the module (the base is frozen), recomputed if ``o_proj``'s weight is replaced or changed.
+    Kept per module while it lives (the base is frozen), recomputed if ``o_proj``'s weight is replaced or changed.
     """
     weight = module.o_proj.weight
     key = (weight.data_ptr(), weight._version, kv_heads, group)
-    cached = getattr(module, "_curkv_output_gram", None)
+    cached = _output_grams.get(module)
     if cached is None or cached[0] != key:
         heads = weight.detach().float().reshape(weight.shape[0], kv_heads, group, -1)  # (hidden, h, g, d)
         cached = (key, torch.einsum("ohgd,ohge->hgde", heads, heads))
-        module._curkv_output_gram = cached
+        _output_grams[module] = cached
     return cached[1]

@@ -6,6 +6,7 @@ the key as projected, or into the key a query at another position would see, exa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -156,20 +157,24 @@ def inverted(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.
     return cos / norm, sin / norm
 
 
+# rotary module -> (key, table) of position_table: beside the model, not on it (a user's model is left as it was)
+_position_tables: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
 @torch.compiler.disable  # a cache lookup, like features.future_rotation: traced, its key would be a guard
 def position_table(model: PreTrainedModel, end: int, like: torch.Tensor) -> torch.Tensor:
     """(P, head_dim) float32 with P >= ``end`` (a power of two): row p is [cos_p | sin_p] / (cos_p² + sin_p²) of
-    :func:`pair_rotary_tables` at position p, for a rotary module whose frequencies are fixed. Kept on the module,
-    grown when a longer sequence asks, remade if ``inv_freq`` changes."""
+    :func:`pair_rotary_tables` at position p, for a rotary module whose frequencies are fixed. Kept per module (while
+    it lives), grown when a longer sequence asks, remade if ``inv_freq`` changes."""
     rotary = rotary_module(model)
     frequencies = rotary.inv_freq
     key = (like.device, like.dtype, frequencies.data_ptr(), frequencies._version, rotary.attention_scaling)
-    cached = getattr(rotary, "_curkv_position_table", None)
+    cached = _position_tables.get(rotary)
     if cached is None or cached[0] != key or cached[1].shape[0] < end:
         size = 1 << max(int(end) - 1, 255).bit_length()
         tables = pair_rotary_tables(model, torch.arange(size, device=like.device), like)
         cached = (key, torch.cat(inverted(*tables), dim=-1))
-        rotary._curkv_position_table = cached
+        _position_tables[rotary] = cached
     return cached[1]
 
 
