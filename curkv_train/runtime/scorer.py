@@ -56,6 +56,20 @@ class Scorer:
         return self.estimator.family
 
     @property
+    def base_model_id(self) -> str | None:
+        """The base model's hub id or folder the scorer records (``metadata["base_model"]``: an id, or a dict with
+        ``id`` and ``fingerprint``), or None."""
+        base = self.metadata.get("base_model")
+        return (base.get("id") if isinstance(base, dict) else base) or None
+
+    @property
+    def base_fallback(self) -> str | None:
+        """Where its training loaded the base model from when the hub was unreachable (its run's
+        ``base_fallback``, e.g. ``embedded:smollm2-135m-instruct``), or None."""
+        training = self.metadata.get("training") or {}
+        return (training.get("hyper_parameters") or {}).get("base_fallback")
+
+    @property
     def observation_window(self) -> int:
         """Tokens of recent hidden states the scorer reads (0 for families that read none)."""
         return getattr(self.estimator, "observation_window", 0) if "query_features" in self.estimator.needs else 0

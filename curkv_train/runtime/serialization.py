@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from curkv_train.core.atomic import atomic_folder
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.core.errors import CurKVError
-from curkv_train.models.families import CLASS_FAMILIES, ESTIMATORS, check_family
+from curkv_train.models.base import load_base_model, load_tokenizer
+from curkv_train.models.families import ESTIMATORS, check_family
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 
@@ -210,12 +211,11 @@ def _layer_budget(record: dict, config_path: Path) -> LayerBudget | None:
 
 
 def record_family(entry: dict) -> str:
-    """The estimator family of a scorer.json ``estimator`` entry; scorers from before families are ``seed``."""
-    family = entry.get("family") or CLASS_FAMILIES.get(entry.get("class", "ValueEstimator"))
-    if family is None:
-        raise CurKVError(f"scorer.json names estimator class {entry.get('class')!r}, which this curkv-train does "
-                         "not know; upgrade curkv-train or re-export the scorer")
-    return check_family(family)
+    """The estimator family a scorer.json ``estimator`` entry names; a one-line CurKVError without one."""
+    if not entry.get("family"):
+        raise CurKVError("scorer.json's estimator entry names no family (an export older than estimator families); "
+                         "re-export the scorer with this curkv-train's `curkv-train export`")
+    return check_family(entry["family"])
 
 
 def _load_estimator(entry: dict, weights_path: Path):
@@ -261,3 +261,27 @@ def check_scorer_fits(scorer: Scorer, model: PreTrainedModel) -> None:
         base = (scorer.metadata.get("base_model") or {}).get("id", "its base model")
         raise CurKVError(f"scorer was trained for {base}, not this model ({listed}); "
                          "use the base model it was trained on or train a scorer for this one")
+
+
+def load_base_for(scorer: Scorer | str | os.PathLike,
+                  dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base model (frozen, ``attn_implementation="sdpa"``) and tokenizer ``scorer`` was trained for.
+
+    Args:
+        scorer: a :class:`Scorer`, an exported scorer folder or a shipped scorer's name (``"smollm2-135m"``).
+        dtype: the model's weights' dtype.
+
+    Returns:
+        (model, tokenizer): the scorer's recorded hub id when the hub (or the local Hugging Face cache) has it,
+        else the fallback its training recorded (e.g. ``embedded:smollm2-135m-instruct``); the model is checked
+        against the scorer's fingerprint.
+    """
+    if not isinstance(scorer, Scorer):
+        scorer = load_scorer(scorer)
+    base, fallback = scorer.base_model_id, scorer.base_fallback
+    if base is None:
+        raise CurKVError("the scorer records no base model; load one with "
+                         "curkv_train.models.base.load_base_model(NAME_OR_PATH, attn_implementation='sdpa')")
+    model = load_base_model(base, fallback=fallback, dtype=dtype, attn_implementation="sdpa")
+    check_scorer_fits(scorer, model)
+    return model, load_tokenizer(base, fallback=fallback)
