@@ -41,9 +41,9 @@ with the query features' products from bfloat16 operands (``scorer_precision="me
 compression interval (the default's is 128 tokens; 64 for ``every-window``): the prefill leaves no
 token pending, so each setting then compresses exactly once per interval timed.
 
-DynamicCache runs on its own copy of the base model, taken before any CurKVCache hooked the
-model (``install_runtime_attention``: pre-hooks and the attention wrapper): the plain generation a user
-compares with; measured, the hooks cost a DynamicCache nothing beyond this machine's noise.
+DynamicCache runs on its own copy of the base model, never hooked by a CurKVCache (an open
+CurKVCache puts pre-hooks and, for some settings, the attention wrapper on its model; each run
+closes its cache): the plain generation a user compares with.
 
 The timing hooks wrap ``CurKVLayer.compress`` and ``CurKVCache._score`` inside this
 script only; the library carries no instrumentation.
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import statistics
@@ -65,7 +66,7 @@ import torch
 from transformers import DynamicCache
 
 from curkv_train.models.base import load_base_model, load_tokenizer
-from curkv_train.runtime import CurKVCache, load_scorer
+from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig, load_scorer
 from curkv_train.runtime.layer import CurKVLayer
 from timing import TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
 
@@ -85,6 +86,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 BASELINE = "dynamic"
 DEFAULT = "default"
+
+
+def cache_options(setting: dict[str, Any], keep: float, backend: str) -> dict[str, Any]:
+    """CurKVCache's keywords for a ``SETTINGS`` entry (TierConfig and ComputeConfig fields among the others) at keep
+    ratio ``keep`` on kernel ``backend``."""
+    tier_fields = {field.name for field in dataclasses.fields(TierConfig)}
+    compute_fields = {field.name for field in dataclasses.fields(ComputeConfig)}
+    tiers = {name: value for name, value in setting.items() if name in tier_fields}
+    compute = {"backend": backend, **{name: value for name, value in setting.items() if name in compute_fields}}
+    rest = {name: value for name, value in setting.items() if name not in tier_fields | compute_fields}
+    return {"keep_ratio": keep, **rest, "tiers": TierConfig(**tiers), "compute": ComputeConfig(**compute)}
 
 
 def instrument() -> None:
@@ -144,14 +156,17 @@ def run_context(model, plain_model, scorer, prompt: torch.Tensor, args: argparse
     runs = [(BASELINE, None, lambda: DynamicCache(config=model.config))]
     for keep in args.keeps:
         for name in args.settings:
-            options = {"keep_ratio": keep, "backend": args.backend, **SETTINGS[name]}
+            options = cache_options(SETTINGS[name], keep, args.backend)
             runs.append((name, keep, functools.partial(CurKVCache, scorer, model=model, **options)))
     rounds: dict[int, list[dict[str, Any]]] = {index: [] for index in range(len(runs))}  # every run, by round
     for round_index in range(args.rounds):
         # alternate the order: a run's place in the sequence shifts its speed on this machine
         order = list(enumerate(runs)) if round_index % 2 == 0 else list(enumerate(runs))[::-1]
         for index, (name, keep, make) in order:
-            rounds[index].append(decode(plain_model if name == BASELINE else model, make(), prompt, args.new_tokens))
+            cache = make()
+            rounds[index].append(decode(plain_model if name == BASELINE else model, cache, prompt, args.new_tokens))
+            if isinstance(cache, CurKVCache):
+                cache.close()  # the model's hooks go with it, before the next run
     rows = []
     for index, (name, keep, _) in enumerate(runs):
         result = min(rounds[index], key=lambda run: run["decode_s"])

@@ -3,7 +3,9 @@
 import torch
 
 from curkv_train.models.seed_estimator import ValueEstimator
-from curkv_train.runtime import Scorer
+from curkv_train.runtime import ComputeConfig, Scorer
+
+TORCH = ComputeConfig(backend="torch")  # the plain-PyTorch kernels: what most runtime tests compare against
 
 
 def random_scorer(n_sink: int = 4, window: int = 16, bias: float | None = None) -> Scorer:

@@ -18,6 +18,7 @@ from curkv_train.eval.runtime_caches import RecencyCache, plain_cache
 from curkv_train.eval.methods import CURKV_UNIFORM
 from curkv_train.eval.statistics import Bootstrap
 from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.cache_config import ComputeConfig, TierConfig
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.tiers import TierSettings
 
@@ -174,12 +175,14 @@ def stream_methods(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: 
     backend = settings.backend
     suffix = main[len(CURKV):] if main else ""
 
-    def curkv(scorer: Scorer, **tiers) -> Callable[[MemorySetting], StreamRun]:
-        return lambda memory: StreamRun(CurKVCache(scorer, model=model, backend=backend, **tiers,
+    def curkv(scorer: Scorer, layer_budget: str = "scorer", **tiers) -> Callable[[MemorySetting], StreamRun]:
+        return lambda memory: StreamRun(CurKVCache(scorer, model=model, layer_budget=layer_budget,
+                                                   tiers=TierConfig(**tiers), compute=ComputeConfig(backend=backend),
                                                    **memory.cache_options()))
 
-    def recency(**tiers) -> Callable[[MemorySetting], StreamRun]:
-        return lambda memory: StreamRun(RecencyCache(carrier, model=model, backend=backend, **tiers,
+    def recency(observe: bool = True, layer_budget: str = "scorer", **tiers) -> Callable[[MemorySetting], StreamRun]:
+        return lambda memory: StreamRun(RecencyCache(carrier, model=model, observe=observe, layer_budget=layer_budget,
+                                                     tiers=TierConfig(**tiers), compute=ComputeConfig(backend=backend),
                                                      **memory.cache_options()))
 
     methods = [StreamMethod(FULL, lambda memory: StreamRun(plain_cache(model))),
@@ -251,7 +254,7 @@ def _press_builder(model: PreTrainedModel, carrier: Scorer, name: str,
             return super().compress(module, hidden_states, keys, values, attentions, kwargs)
 
     def build(memory: MemorySetting) -> StreamRun:
-        reference = RecencyCache(carrier, model=model, cold=False, observe=False, layer_budget="uniform",
+        reference = RecencyCache(carrier, model=model, observe=False, layer_budget="uniform",
                                  **memory.cache_options()).settings
         prefix = settings.prefix
         prefill_ratio = max(0.0, 1.0 - (held_after(reference, prefix) + 0.5) / prefix)  # int(n·(1 − r)) kept

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from curkv_train.core.errors import CurKVError
+from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.cache_config import ComputeConfig, TierConfig
 from curkv_train.runtime.scorer import Scorer
-from curkv_train.runtime.serialization import load_scorer, model_fingerprint, save_scorer
+from curkv_train.runtime.serialization import load_base_for, load_scorer, model_fingerprint, save_scorer
 
-__all__ = ["CurKVCache", "CurKVPress", "Scorer", "load_scorer", "model_fingerprint", "save_scorer"]
+__all__ = ["ComputeConfig", "CurKVCache", "CurKVError", "CurKVPress", "LayerBudget", "Scorer", "TierConfig",
+           "load_base_for", "load_scorer", "model_fingerprint", "save_scorer"]
 
 
 def __getattr__(name: str) -> Any:

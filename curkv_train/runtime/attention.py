@@ -1,60 +1,78 @@
-"""Factored cold attention at run time: attend to CurKVCache's cold blocks through their CUR factors.
+"""The runtime's hooks on a model, and factored cold attention over CurKVCache's cold blocks.
 
-Constructing a :class:`~curkv_train.runtime.cache.CurKVCache` for a model calls
-:func:`install_runtime_attention`, which (idempotently)
+A model is touched only while something holds it (DESIGN §7): :func:`install_runtime_attention`
+returns a :class:`RuntimeAttention` hold, which an open :class:`~curkv_train.runtime.cache.CurKVCache`
+keeps until it is closed or collected, and :class:`~curkv_train.runtime.press.CurKVPress` inside
+``with press(model):``. Holds are counted per model: the first one
 
-- puts :func:`record_cache_layer` as a forward pre-hook on every decoder attention
-  module: before each call, when ``past_key_values`` is a CurKVCache, it records on the
-  module the cache layer the call will use (``None`` for any other cache), hands that layer
-  the module's input hidden states (scorers that score a token on arrival read them) and
-  tells it whether this call's attention is factored; and :func:`record_queries` and
-  :func:`record_keys` as forward hooks on the module's query and key projections, which hand
-  the recorded layer the pre-RoPE queries (query-aware scorers read them) and keys (a
-  prefill's first compression reads its pre_rope key view from them) it projected;
-- when asked to (a cache with a cold tier), switches the model's attention implementation
-  (``sdpa`` or ``eager``) to a wrapper registered under ``curkv_factored_<implementation>``,
-  with the wrapped implementation's mask function (so masks are unchanged).
+- puts :func:`record_cache_layer` as a forward pre-hook on every decoder attention module:
+  before each call, when ``past_key_values`` is a cache registered with a hold, it records the
+  cache layer the call will use (``None`` for any other cache), hands that layer the module's
+  input hidden states (scorers that score a token on arrival read them) and tells it whether
+  this call's attention is factored; :func:`record_queries` and :func:`record_keys` as forward
+  hooks on the module's query and key projections, which hand the recorded layer the pre-RoPE
+  queries (query-aware scorers read them) and keys (a prefill's first compression reads its
+  pre_rope key view from them) it projected; and :func:`refuse_padding` on the decoder;
+
+and a hold that asks for it (a cache with a cold tier, or a layer budget) switches the model's
+attention implementation (``sdpa`` or ``eager``) to a wrapper registered under
+``curkv_factored_<implementation>``, with the wrapped implementation's mask function (so masks
+are unchanged). The last hold asking for the wrapper restores the implementation it replaced;
+the last hold of all removes every hook. Nothing else is stored on the model: the layer a call
+uses is kept here, keyed by its attention module.
 
 A step then runs as follows. ``CurKVLayer.update`` returns only the dense tokens
 (sinks, warm, hot, new) and leaves the cold blocks it did not reconstruct in
 ``layer.factored_cold``; ``get_mask_sizes`` still counts the cold tokens first. The
-wrapper finds the layer recorded on its ``module``: with cold blocks pending it runs
+wrapper finds the layer recorded for its ``module``: with cold blocks pending it runs
 :func:`curkv_train.kernels.factored_attention` (one softmax over [cold | dense], no
 dense copy of a cold block); otherwise it calls the wrapped implementation unchanged,
 so a cache without cold blocks attends exactly as before. Any other attention
 implementation is left alone and the cache reconstructs its cold blocks as before.
 
-This module imports no training code (no Lightning, no ``curkv_train.training.scored_attention``).
+This module imports no training code and no cache: the hooks read a cache through
+:class:`ServedCache`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from curkv_train.core.shapes import check_unpadded
-from curkv_train.core.observation import attention_modules
 from curkv_train.core.errors import CurKVError
+from curkv_train.core.observation import attention_modules
+from curkv_train.core.shapes import check_unpadded
 from curkv_train.kernels import factored_attention
-from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.layer import CurKVLayer
 
 log = logging.getLogger(__name__)
 
 FACTORED_PREFIX = "curkv_factored_"
 WRAPPABLE = ("sdpa", "eager")
-LAYER_ATTRIBUTE = "curkv_cache_layer"
-HOOK_ATTRIBUTE = "curkv_pre_hook"
-ATTENTION_ATTRIBUTE = "curkv_attention_module"
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class ServedCache(Protocol):
+    """What the hooks read from a cache they serve (a :class:`~curkv_train.runtime.cache.CurKVCache`)."""
+
+    layers: list[CurKVLayer]
+    sliding_window: int | None  # the model's window over every layer, or None
+    factored_attention: bool  # whether the cache may attend to its cold blocks through their factors
+
+
+# attention module -> (a weak reference to) the cache layer its current call uses; read by the factored wrapper
+_current_layers: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def is_factored(implementation: str | None) -> bool:
@@ -62,23 +80,24 @@ def is_factored(implementation: str | None) -> bool:
     return bool(implementation) and implementation.startswith(FACTORED_PREFIX)
 
 
-def cache_layer_of(module: torch.nn.Module) -> CurKVLayer | None:
+def cache_layer_of(module: nn.Module) -> CurKVLayer | None:
     """The CurKVCache layer the current call of attention ``module`` uses, or None."""
-    reference = getattr(module, LAYER_ATTRIBUTE, None)
+    reference = _current_layers.get(module)
     return None if reference is None else reference()
 
 
-def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook (``with_kwargs=True``) of a decoder attention module.
+def record_cache_layer(served: weakref.WeakSet, module: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook (``with_kwargs=True``, ``served`` bound) of a decoder attention module.
 
-    When ``kwargs["past_key_values"]`` is a CurKVCache, hands it the module's input hidden
-    states, records its layer for this module (a weak reference: the module never keeps a
+    When ``kwargs["past_key_values"]`` is one of the ``served`` caches, hands it the module's input
+    hidden states, records its layer for this module (a weak reference: nothing here keeps a
     cache alive) and tells the layer whether this call's attention is factored (the cache
     allows it and the model's implementation is a factored wrapper); otherwise clears the record.
     """
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, CurKVCache):
-        setattr(module, LAYER_ATTRIBUTE, None)
+    cache: ServedCache | None = kwargs.get("past_key_values")
+    if cache is None or cache not in served:
+        _current_layers.pop(module, None)
         return
     layer = cache.layers[module.layer_idx]
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -89,41 +108,43 @@ def record_cache_layer(module: torch.nn.Module, args: tuple[Any, ...], kwargs: d
     layer.observe_hidden(hidden_states)
     implementation = getattr(module.config, "_attn_implementation", None)
     layer.factored_attention = cache.factored_attention and is_factored(implementation)
-    setattr(module, LAYER_ATTRIBUTE, weakref.ref(layer))
+    _current_layers[module] = weakref.ref(layer)
 
 
-def refuse_padding(decoder: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook (``with_kwargs=True``) of the base model: a padded batch's 2D attention mask, refused
-    with one line when ``past_key_values`` is a CurKVCache, whatever the attention implementation (flash
-    attention keeps the 2D mask and flex attention a block mask): checked once per forward, before any layer,
-    rather than in every attention module's pre-hook."""
-    if isinstance(kwargs.get("past_key_values"), CurKVCache):
+def refuse_padding(served: weakref.WeakSet, decoder: nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook (``with_kwargs=True``, ``served`` bound) of the base model: a padded batch's 2D attention
+    mask, refused with one line when ``past_key_values`` is one of the ``served`` caches, whatever the attention
+    implementation (flash attention keeps the 2D mask and flex attention a block mask): checked once per forward,
+    before any layer, rather than in every attention module's pre-hook."""
+    cache = kwargs.get("past_key_values")
+    if cache is not None and cache in served:
         check_unpadded(kwargs.get("attention_mask"))
 
 
-def record_queries(projection: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-    """Forward hook of an attention module's query projection (``q_norm`` if it has one, else ``q_proj``):
-    hands the layer recorded by :func:`record_cache_layer` the queries it just projected, pre-RoPE,
-    as (batch, heads, new, head_dim) — the statistics then cost no extra projection."""
-    layer, heads = projected_heads(projection, output)
+def record_queries(attention: weakref.ref, projection: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+    """Forward hook (``attention`` bound: its attention module) of a query projection (``q_norm`` if the module has
+    one, else ``q_proj``): hands the layer recorded by :func:`record_cache_layer` the queries it just projected,
+    pre-RoPE, as (batch, heads, new, head_dim) — the statistics then cost no extra projection."""
+    layer, heads = projected_heads(attention(), output)
     if layer is not None:
         layer.observe_queries(heads)
 
 
-def record_keys(projection: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-    """Forward hook of an attention module's key projection (``k_norm`` if it has one, else ``k_proj``): hands the
-    recorded layer the keys it just projected, pre-RoPE, as (batch, kv_heads, new, head_dim) — a view, kept only
-    until the layer's update: a prefill's first compression reads its pre_rope key view from them instead of
-    turning every cached key back."""
-    layer, heads = projected_heads(projection, output)
+def record_keys(attention: weakref.ref, projection: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+    """Forward hook (``attention`` bound: its attention module) of a key projection (``k_norm`` if the module has one,
+    else ``k_proj``): hands the recorded layer the keys it just projected, pre-RoPE, as (batch, kv_heads, new,
+    head_dim) — a view, kept only until the layer's update: a prefill's first compression reads its pre_rope key
+    view from them instead of turning every cached key back."""
+    layer, heads = projected_heads(attention(), output)
     if layer is not None:
         layer.observe_keys(heads)
 
 
-def projected_heads(projection: torch.nn.Module, output: torch.Tensor) -> tuple[CurKVLayer | None, torch.Tensor | None]:
-    """The cache layer recorded for ``projection``'s attention module (:func:`record_cache_layer`), and the
-    projection's output (batch, new, heads · head_dim) as (batch, heads, new, head_dim); (None, None) without one."""
-    attention = getattr(projection, ATTENTION_ATTRIBUTE)()
+def projected_heads(attention: nn.Module | None,
+                    output: torch.Tensor) -> tuple[CurKVLayer | None, torch.Tensor | None]:
+    """The cache layer recorded for ``attention`` (:func:`record_cache_layer`), and its projection's output
+    (batch, new, heads · head_dim) as (batch, heads, new, head_dim); (None, None) without one."""
     layer = None if attention is None else cache_layer_of(attention)
     if layer is None:
         return None, None
@@ -232,45 +253,146 @@ def register_factored_attention(implementation: str) -> str:
     return name
 
 
-def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per_layer: bool = False) -> bool:
-    """Hook every decoder attention module of ``model`` and, with ``factored`` or ``per_layer``, switch it to
-    the wrapper (both idempotent): it attends to cold blocks through their factors and fits the
-    model's mask to each layer's held tokens (layers of a cache with a layer budget hold different
-    counts; the model builds one mask, for layer 0).
+class ModelHooks:
+    """The runtime's hooks on one model, shared by every hold on it (:func:`install_runtime_attention`).
+
+    Attributes:
+        served: the caches the hooks serve (weakly held: a collected cache leaves by itself).
+        holds: live holds on the model; the last one released removes ``handles``.
+        wrapper_holds: live holds that asked for the factored wrapper; the last one released
+            restores ``replaced``.
+        replaced: the attention implementation the wrapper replaced, or None while it is not installed.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.served: weakref.WeakSet = weakref.WeakSet()
+        self.holds = self.wrapper_holds = 0
+        self.replaced: str | None = None
+        self.attention = [weakref.ref(module) for module in attention_modules(model)]
+        decoder = model.get_decoder()
+        self.handles: list[RemovableHandle] = [
+            decoder.register_forward_pre_hook(functools.partial(refuse_padding, self.served), with_kwargs=True)]
+        for module in attention_modules(model):
+            self.handles.append(module.register_forward_pre_hook(functools.partial(record_cache_layer, self.served),
+                                                                 with_kwargs=True))
+            for norm, linear, hook in (("q_norm", "q_proj", record_queries), ("k_norm", "k_proj", record_keys)):
+                projection = getattr(module, norm, None) or getattr(module, linear)  # Qwen3 / Gemma3 normalise them
+                self.handles.append(projection.register_forward_hook(functools.partial(hook, weakref.ref(module))))
+
+    def hold_wrapper(self, model: PreTrainedModel, factored: bool, per_layer: bool) -> bool:
+        """Switch ``model`` to the factored wrapper of its implementation, or count one more hold on the wrapper
+        already switched to; returns whether this hold counts (False: another implementation, left alone)."""
+        implementation = model.config._attn_implementation
+        if is_factored(implementation):
+            if self.replaced is None:  # switched by someone else: not ours to restore
+                return False
+            self.wrapper_holds += 1
+            return True
+        if implementation not in WRAPPABLE:
+            if per_layer:
+                log.info("attention implementation %r: a layer budget needs masks fitted per layer, done for %s only; "
+                         "implementations without a 4D mask need none", implementation, " or ".join(WRAPPABLE))
+            if factored:
+                log.info("attention implementation %r: CurKVCache reconstructs its cold blocks at each step "
+                         "(factored cold attention wraps %s)", implementation, " or ".join(WRAPPABLE))
+            return False
+        model.set_attn_implementation(register_factored_attention(implementation))
+        self.replaced, self.wrapper_holds = implementation, 1
+        return True
+
+    def release(self, model: PreTrainedModel, wrapper: bool) -> None:
+        """Give back one hold (``wrapper``: one that counted on the wrapper): the last wrapper hold restores the
+        implementation it replaced, the last hold removes every hook and record."""
+        if wrapper:
+            self.wrapper_holds -= 1
+            if self.wrapper_holds == 0:
+                if model.config._attn_implementation == FACTORED_PREFIX + self.replaced:
+                    model.set_attn_implementation(self.replaced)
+                self.replaced = None
+        self.holds -= 1
+        if self.holds == 0:
+            for handle in self.handles:
+                handle.remove()
+            for reference in self.attention:
+                module = reference()
+                if module is not None:
+                    _current_layers.pop(module, None)
+            _installed.pop(model, None)
+
+
+# model -> the runtime's hooks on it, while something holds them
+_installed: weakref.WeakKeyDictionary[nn.Module, ModelHooks] = weakref.WeakKeyDictionary()
+
+
+class RuntimeAttention:
+    """One hold on a model's runtime hooks (:func:`install_runtime_attention`): :meth:`release` it once, or use it as
+    a context manager, to give them back.
+
+    Attributes:
+        factored: whether the model runs factored cold attention for the holder (asked for, and the
+            model's implementation was sdpa or eager, or already factored).
+    """
+
+    def __init__(self, model: PreTrainedModel, hooks: ModelHooks, cache: ServedCache | None, wrapper: bool,
+                 factored: bool) -> None:
+        self.model, self.hooks, self.wrapper, self.factored = model, hooks, wrapper, factored
+        self.cache = None if cache is None else weakref.ref(cache)  # never keeps the cache alive
+        self.released = False
+
+    def release(self) -> None:
+        """Stop serving the cache and give the hold back (idempotent)."""
+        if self.released:
+            return
+        self.released = True
+        cache = None if self.cache is None else self.cache()
+        if cache is not None:
+            self.hooks.served.discard(cache)
+        self.hooks.release(self.model, self.wrapper)
+
+    def release_with(self, owner: object) -> weakref.finalize:
+        """Release this hold when ``owner`` is collected; returns the finalizer (call it to release now). The
+        finalizer holds this hold, never ``owner``."""
+        finalizer = weakref.finalize(owner, self.release)
+        finalizer.atexit = False  # at exit the model goes too: nothing to restore
+        return finalizer
+
+    def __enter__(self) -> "RuntimeAttention":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per_layer: bool = False,
+                              cache: ServedCache | None = None) -> RuntimeAttention:
+    """Hold the runtime's hooks on ``model`` (installed by the first hold) and, with ``factored`` or ``per_layer``,
+    its attention switched to the wrapper: it attends to cold blocks through their factors and fits the model's
+    mask to each layer's held tokens (layers of a cache with a layer budget hold different counts; the model
+    builds one mask, for layer 0). With any other implementation than sdpa or eager the hooks are still
+    installed and a cache reconstructs its cold blocks.
+
+    Args:
+        cache: the cache the hooks serve while the hold lasts (None: only the wrapper's mask fitting, for
+            caches compressed elsewhere).
 
     Returns:
-        Whether the model now runs factored cold attention (asked for, and its implementation
-        was sdpa or eager, or already factored). With any other implementation the hooks are
-        still installed and the cache reconstructs its cold blocks.
+        The hold: release it (or leave its ``with`` block) to remove what it installed; one never released
+        leaves the model hooked.
     """
     implementation = model.config._attn_implementation
     if per_layer and "flex" in (implementation or ""):
         raise CurKVError(f"attention implementation {implementation!r} builds one block mask for layer 0's length, "
                          "and a layer budget holds a different number of tokens in each layer: load the model with "
                          "attn_implementation='sdpa' or 'eager', or pass layer_budget='uniform'")
-    decoder = model.get_decoder()
-    if getattr(decoder, HOOK_ATTRIBUTE, None) is None:
-        setattr(decoder, HOOK_ATTRIBUTE, decoder.register_forward_pre_hook(refuse_padding, with_kwargs=True))
-    for module in attention_modules(model):
-        if getattr(module, HOOK_ATTRIBUTE, None) is None:
-            setattr(module, HOOK_ATTRIBUTE, module.register_forward_pre_hook(record_cache_layer, with_kwargs=True))
-            for norm, linear, hook in (("q_norm", "q_proj", record_queries), ("k_norm", "k_proj", record_keys)):
-                projection = getattr(module, norm, None) or getattr(module, linear)  # Qwen3 / Gemma3 normalise them
-                setattr(projection, ATTENTION_ATTRIBUTE, weakref.ref(module))
-                projection.register_forward_hook(hook)
-    if not (factored or per_layer):
-        return False
-    if is_factored(implementation):
-        return factored
-    if implementation not in WRAPPABLE:
-        if per_layer:
-            log.info("attention implementation %r: a layer budget needs masks fitted per layer, done for %s only; "
-                     "implementations without a 4D mask need none", implementation, " or ".join(WRAPPABLE))
-        if factored:
-            log.info("attention implementation %r: CurKVCache reconstructs its cold blocks at each step "
-                     "(factored cold attention wraps %s)", implementation, " or ".join(WRAPPABLE))
-        return False
-    if implementation == "eager":
-        _eager_function(attention_modules(model)[0])
-    model.set_attn_implementation(register_factored_attention(implementation))
-    return factored
+    if (factored or per_layer) and implementation == "eager":
+        _eager_function(attention_modules(model)[0])  # a one-line error before anything is installed
+    hooks = _installed.get(model)
+    if hooks is None:
+        hooks = _installed[model] = ModelHooks(model)
+    hooks.holds += 1
+    if cache is not None:
+        hooks.served.add(cache)
+    wrapper = (factored or per_layer) and hooks.hold_wrapper(model, factored, per_layer)
+    factored = factored and is_factored(model.config._attn_implementation)
+    return RuntimeAttention(model, hooks, cache, wrapper, factored)
+

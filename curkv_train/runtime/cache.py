@@ -8,11 +8,13 @@ Per layer the cache holds, per (batch, KV head):
 - **warm**: older tokens kept, dense: at each compression the newest ⌊recent_share·k⌋ of
   the k places, the rest by estimator score (top-k), at most
   ⌈ρ·warm_windows·window⌉ of them when the cold tier is on;
-- **cold** (opt-in, ``cold=True``): warm overflow, oldest first, held as CUR factors
+- **cold** (opt-in, ``TierConfig(cold=True)``): warm overflow, oldest first, held as CUR factors
   (+ sparse residual) per block of at least ``cold_block`` tokens (:mod:`curkv_train.runtime.cur`).
   Off by default: it holds fewer bytes than the dense tiers at the same keep ratio, but
-  on SmolLM2-135M it costs quality and decode speed (docs/runtime.md has the figures);
-  without it every kept token stays dense.
+  costs quality and decode speed (docs/runtime.md has the figures); without it every kept
+  token stays dense.
+
+The tier sizes are a :class:`~curkv_train.runtime.cache_config.TierConfig`.
 
 Compression runs each time ``compress_every`` windows of tokens have piled up past the hot
 tier (a prefill or chunk at least that long compresses right after it): the tokens that
@@ -23,13 +25,17 @@ tier included, as kvpress counts a compression ratio (capped by ``max_tokens`` /
 Different heads keep different tokens but always the same count, so K and V stay dense
 (batch, kv_heads, kept, head_dim) tensors.
 
+The model is touched only while the cache is open: the constructor installs the runtime's hooks
+(:mod:`curkv_train.runtime.attention`) and :meth:`CurKVCache.close`, the end of a ``with`` block
+or the cache's collection removes them and restores the attention implementation.
+
 Attention over the cold tier: with the model's attention switched to the factored
-wrapper (:mod:`curkv_train.runtime.attention`, installed by the constructor for sdpa or
-eager models), ``update`` returns only the dense tokens and the attention reads the cold
-blocks through their factors (logits ((q·Rᵀ)·Uᵀ)·Cᵀ + residual, one softmax with the
-dense tokens), so a step never holds a dense copy of a cold block. Otherwise (another
-attention implementation, or ``factored_attention=False``) each step reconstructs
-K_cold ≈ C·U·R (+ residual) and V_cold likewise as a transient inside ``update``.
+wrapper (for sdpa or eager models, while the cache is open), ``update`` returns only the
+dense tokens and the attention reads the cold blocks through their factors (logits
+((q·Rᵀ)·Uᵀ)·Cᵀ + residual, one softmax with the dense tokens), so a step never holds a
+dense copy of a cold block. Otherwise (another attention implementation, or
+``ComputeConfig(factored_attention=False)``) each step reconstructs K_cold ≈ C·U·R
+(+ residual) and V_cold likewise as a transient inside ``update``.
 
 Positions: ``get_seq_length`` reports the tokens *seen*, so generate's
 ``cache_position`` and the RoPE positions of new tokens continue from them, while
@@ -45,26 +51,28 @@ import dataclasses
 import functools
 import logging
 import os
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from curkv_train.core.errors import CurKVError
 from curkv_train.core.observation import QueryStatistics
 from curkv_train.core.selection import ADAPTIVE, check_keep_ratio
 from curkv_train.core.shapes import kv_shape, text_config
-from curkv_train.core.errors import CurKVError
 from curkv_train.runtime.allocation import LayerBudget, resolve_layer_budget
+from curkv_train.runtime.attention import install_runtime_attention
+from curkv_train.runtime.cache_config import ComputeConfig, TierConfig, check_whole
 from curkv_train.runtime.layer import CurKVLayer
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.scorer import Scorer
-from curkv_train.runtime.tiers import TierSettings, check_whole
+from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
+from curkv_train.runtime.tiers import TierSettings
 
 log = logging.getLogger(__name__)
 
-# A prefill's first compressions are scored a group of layers at a time, as many as hold this many tokens: layer by
-# layer, scoring is tens of small operators whose cost hardly depends on the tokens below some thousands
-SCORING_BATCH_TOKENS = 4096
+Config = TypeVar("Config", TierConfig, ComputeConfig)
 
 
 def check_full_attention(model: PreTrainedModel) -> int | None:
@@ -82,40 +90,30 @@ def check_full_attention(model: PreTrainedModel) -> int | None:
     return window or None
 
 
+def checked_config(name: str, config: Config | None, kind: type[Config]) -> Config:
+    """``config``, or ``kind()`` for None; a one-line CurKVError for anything but a ``kind``."""
+    if config is None:
+        return kind()
+    if not isinstance(config, kind):
+        raise CurKVError(f"{name} must be a {kind.__name__} (from curkv_train.runtime import {kind.__name__}), "
+                         f"got {type(config).__name__}")
+    return config
+
+
 class CurKVCache(Cache):
     """A transformers Cache compressed by a trained value estimator, with hot / warm / cold tiers.
 
-    Use it as ``model.generate(ids, past_key_values=CurKVCache(scorer, model=model))``.
+    Use it as ``with CurKVCache(scorer, model, keep_ratio=0.5) as cache: model.generate(ids,
+    past_key_values=cache)``. While it is open the model carries the runtime's hooks; :meth:`close`
+    (the end of the ``with`` block, or the cache's collection) removes them, and a closed cache
+    refuses further use.
 
     Args:
-        scorer: a :class:`Scorer` or the path of an exported scorer folder.
+        scorer: a :class:`Scorer`, the path of an exported scorer folder or a shipped scorer's name.
         model: the base model (for its rotary tables and shapes).
         keep_ratio: ρ, the share of the tokens seen the cache holds after each compression, sinks and
             hot tier included (kvpress's convention: keep 0.5 holds half), in (0, 1]; or ``"adaptive"``:
             1.0 below 1K tokens seen, 0.5 up to 4K, 0.3 beyond.
-        recent_share: share of the places compressible tokens compete for at each compression given
-            to the newest of them; the estimator fills the rest from the older ones (H2O's
-            recent + heavy-hitter split). 0: every place by score; 1: a recent window. The
-            default 0.5 streamed 6K-token text at keep 0.5 with 3.9 % more perplexity than the
-            full cache, against 6.3 % at 0 and 4.4 % for a recent window, but kept fewer passkeys
-            after a prompt (docs/runtime.md); 0 suits prompts that hide a needle.
-        n_sink, window: always-kept leading tokens and the window unit; default the scorer's.
-        hot: protect the last ``hot_windows`` windows; off = only the last window.
-        hot_windows: size of the hot tier in windows.
-        compress_every: compress once this many windows of tokens have piled up past the hot tier.
-            Each compression scores every held token, so 2 (the default) halves that work against 1;
-            with a hot tier of 2 windows, the most tokens held and the bytes allocated are those of the
-            earlier defaults (3 hot windows, a compression every window; docs/runtime.md).
-        warm: hold up to ⌈ρ·warm_windows·window⌉ kept tokens densely before they go cold;
-            off = kept tokens go straight to the cold tier. Matters only with ``cold`` on:
-            without a cold tier every kept token stays dense.
-        warm_windows: size of the warm tier's span in windows.
-        cold: factor warm overflow into CUR blocks (not while ρ = 1); off by default (see above).
-        cold_block: least tokens per cold block (default 4 windows).
-        cold_rows, cold_channels: CUR ranks r (tokens) and c (channels); default head_dim // 2.
-        cold_core: ``optimal`` or ``intersection`` (see :mod:`curkv_train.runtime.cur`).
-        compensation: keep the largest entries of each cold block's CUR residual.
-        compensation_ratio: share of a block's entries kept as residual.
         max_tokens: a fixed-memory budget: at most this many tokens held per (layer, KV head),
             all tiers counted, however long generation runs (without it the cache holds ρ of the
             tokens seen); ρ still applies while it holds fewer. Under a layer budget it bounds the mean
@@ -130,60 +128,32 @@ class CurKVCache(Cache):
             :class:`~curkv_train.runtime.allocation.LayerBudget` when it has one (``curkv-train
             calibrate``), else one ratio for every layer; ``"uniform"`` one ratio for every layer; or
             a LayerBudget. The mean of the layers' ratios is ρ, so the bytes held are the same.
-        backend: compaction and factored-attention kernel backend (auto, torch, triton).
-        factored_attention: attend to cold blocks through their factors (the model's sdpa or
-            eager attention is wrapped, see :mod:`curkv_train.runtime.attention`); False
-            rebuilds them densely at each step.
-        compile_scorer: score through ``torch.compile`` (:meth:`Scorer.compiled`): the first
-            compression pays the compilation (tens of seconds), later ones run fused kernels
-            (scoring 1.3–1.7× faster on an H200, where it is bound by operator launches;
-            docs/runtime.md).
-        scorer_precision: the scorer's :attr:`Scorer.matmul_precision` for this cache (``highest`` or
-            ``medium``: bfloat16 operands in the query features' three attention-sized products); default
-            the scorer's own (``highest`` unless set).
-        scoring_batch_tokens: a prefill's first compressions are scored several layers at a time, as many as hold
-            this many of its tokens (:meth:`Scorer.score_layers`; 4096: four layers at 1K tokens, two at 2K, one
-            beyond): the same scores, from fewer, larger operators. Until its group is scored a layer holds the
-            whole prompt; 0 or 1 scores each layer as it runs.
+        tiers: the tiers' sizes and schedule (:class:`~curkv_train.runtime.cache_config.TierConfig`); default
+            ``TierConfig()``.
+        compute: kernels, factored attention, compilation and precision of the scoring
+            (:class:`~curkv_train.runtime.cache_config.ComputeConfig`); default ``ComputeConfig()``.
     """
 
     def __init__(self, scorer: Scorer | str | os.PathLike, model: PreTrainedModel,
-                 keep_ratio: float | str = ADAPTIVE, *, recent_share: float = 0.5, n_sink: int | None = None,
-                 window: int | None = None,
-                 hot: bool = True, hot_windows: int = 2, compress_every: int = 2, warm: bool = True,
-                 warm_windows: int = 10,
-                 cold: bool = False, cold_block: int | None = None, cold_rows: int | None = None,
-                 cold_channels: int | None = None, cold_core: str = "optimal", compensation: bool = True,
-                 compensation_ratio: float = 0.05, max_tokens: int | None = None, max_bytes: int | None = None,
-                 layer_budget: str | LayerBudget = "scorer", backend: str = "auto",
-                 factored_attention: bool = True, compile_scorer: bool = False,
-                 scorer_precision: str | None = None, scoring_batch_tokens: int = SCORING_BATCH_TOKENS) -> None:
-        from curkv_train.runtime.attention import install_runtime_attention
-        from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
-
+                 keep_ratio: float | str = ADAPTIVE, *, max_tokens: int | None = None, max_bytes: int | None = None,
+                 layer_budget: str | LayerBudget = "scorer", tiers: TierConfig | None = None,
+                 compute: ComputeConfig | None = None) -> None:
+        self.tiers = checked_config("tiers", tiers, TierConfig)
+        self.compute = checked_config("compute", compute, ComputeConfig)
         if isinstance(scorer, Scorer):
             check_scorer_fits(scorer, model)
         else:
             scorer = load_scorer(scorer, model=model)
         self.sliding_window = check_full_attention(model)
-        scorer = scorer if scorer_precision is None else dataclasses.replace(scorer, matmul_precision=scorer_precision)
-        self.scorer, self.model = scorer.compiled() if compile_scorer else scorer, model
-        check_whole("scoring_batch_tokens", scoring_batch_tokens)
-        if scoring_batch_tokens is None or scoring_batch_tokens < 0:
-            raise CurKVError(f"scoring_batch_tokens must be 0 or more, got {scoring_batch_tokens!r}")
-        self.scoring_batch_tokens = scoring_batch_tokens
+        if self.compute.scorer_precision is not None:
+            scorer = dataclasses.replace(scorer, matmul_precision=self.compute.scorer_precision)
+        self.scorer, self.model = scorer.compiled() if self.compute.compile_scorer else scorer, model
+        self.scoring_batch_tokens = self.tiers.scoring_batch_tokens
         self.awaiting: list[CurKVLayer] = []  # layers whose first compression waits for its group's scores
-        window = scorer.window if window is None else window
-        half = max(1, scorer.estimator.head_dim // 2)
-        self.settings = TierSettings(
-            keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True), n_sink=scorer.n_sink if n_sink is None else n_sink,
-            window=window, hot_tokens=window * (hot_windows if hot else 1), interval=window * compress_every,
-            warm_tokens=window * warm_windows if warm else 0, cold=cold,
-            cold_block=4 * window if cold_block is None else cold_block,
-            cold_rows=half if cold_rows is None else cold_rows, cold_channels=half if cold_channels is None else cold_channels,
-            cold_core=cold_core,
-            compensation=compensation, compensation_ratio=compensation_ratio, max_tokens=max_tokens,
-            backend=backend, recent_share=recent_share, layer_budget=resolve_layer_budget(layer_budget, scorer))
+        self.settings = TierSettings.resolve(
+            self.tiers, self.compute, keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True),
+            max_tokens=max_tokens, n_sink=scorer.n_sink, window=scorer.window, head_dim=scorer.estimator.head_dim,
+            layer_budget=resolve_layer_budget(layer_budget, scorer))
         layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
                   for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
@@ -192,16 +162,49 @@ class CurKVCache(Cache):
             self.settings = dataclasses.replace(self.settings, max_tokens=min(budget, max_tokens or budget))
             for layer in self.layers:
                 layer.settings = self.settings
-        self.factored_attention = install_runtime_attention(
-            model, factored=cold and factored_attention, per_layer=self.settings.layer_budget is not None)
+        self._hold_model()
+
+    def _hold_model(self) -> None:
+        """Install the runtime's hooks (and attention wrapper) on the model until this cache is closed or collected
+        (a finalizer that holds the hold, not the cache)."""
+        hold = install_runtime_attention(self.model, factored=self.settings.cold and self.compute.factored_attention,
+                                         per_layer=self.settings.layer_budget is not None, cache=self)
+        self.factored_attention = hold.factored
+        self._finalizer = hold.release_with(self)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: the model no longer carries this cache's hooks."""
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Remove the hooks this cache installed on the model and restore the attention implementation it replaced
+        (another open cache on the same model keeps its own); idempotent. The tokens held stay readable."""
+        self._finalizer()
+
+    def __enter__(self) -> "CurKVCache":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def check_open(self) -> None:
+        """A one-line CurKVError if the cache was closed."""
+        if self.closed:
+            raise CurKVError("this CurKVCache was closed (close() or the end of its `with` block); "
+                             "build a new CurKVCache to generate again")
 
     def __deepcopy__(self, memo: dict) -> "CurKVCache":
-        """A copy holding its own tokens, sharing the base model and the scorer (``copy.deepcopy(prompt_cache)``
-        is how transformers reuses a prompt's cache; copying them would duplicate every weight)."""
+        """An open copy holding its own tokens (and its own hold on the model), sharing the base model and the scorer
+        (``copy.deepcopy(prompt_cache)`` is how transformers reuses a prompt's cache; copying them would duplicate
+        every weight)."""
+        self.check_open()
         memo[id(self.model)], memo[id(self.scorer)] = self.model, self.scorer
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied  # the layers' score functions are bound to this cache: rebound to the copy
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        state = {name: value for name, value in self.__dict__.items() if name != "_finalizer"}
+        copied.__dict__.update(copy.deepcopy(state, memo))
+        copied._hold_model()
         return copied
 
     def _observer(self, layer: int) -> ObservationBuffer:
@@ -215,6 +218,7 @@ class CurKVCache(Cache):
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache.update, and a prefill's first compressions scored a group of layers at a time (:meth:`score_awaiting`):
         a layer's compression waits, its tokens held, until the group is full or the last layer has run."""
+        self.check_open()
         if self.awaiting and layer_idx <= self.awaiting[-1].layer_idx:  # a pass stopped before its last layer
             self.score_awaiting()
         layer = self.layers[layer_idx]
@@ -228,6 +232,12 @@ class CurKVCache(Cache):
         if self.awaiting and (len(self.awaiting) >= group or layer_idx == len(self.layers) - 1):
             self.score_awaiting()
         return out
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen by layer ``layer_idx`` (what generate continues the positions from); a one-line CurKVError
+        once the cache is closed (generate asks this first)."""
+        self.check_open()
+        return super().get_seq_length(layer_idx)
 
     def scoring_group(self, key_states: torch.Tensor) -> int:
         """How many layers' compressions after an update of ``key_states`` (batch, kv_heads, new, head_dim) are scored

@@ -6,6 +6,9 @@ Needs the optional ``kvpress`` package (``pip install curkv-train[kvpress]``).
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -13,12 +16,16 @@ from kvpress.presses.scorer_press import ScorerPress
 from torch import nn
 from transformers import PreTrainedModel
 
-from curkv_train.core.features import check_matmul_precision
-from curkv_train.core.selection import compressible_mask
 from curkv_train.core.errors import CurKVError
+from curkv_train.core.features import check_matmul_precision
+from curkv_train.core.observation import attention_modules
+from curkv_train.core.selection import compressible_mask
 from curkv_train.runtime.allocation import LayerBudget, check_layer_budget_choice, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.scorer import Scorer
+from curkv_train.runtime.serialization import load_scorer
+
+_ABSENT = object()
 
 # Added to the scores of sinks and the recent window: far above any estimator logit,
 # finite so that top-k never meets inf - inf.
@@ -34,6 +41,14 @@ class CurKVPress(ScorerPress):
     and positions, plus the last hidden states kvpress hands the press (``query_aware``) or
     each token's hidden state (``hidden``). The first ``n_sink`` and the last ``window``
     tokens get a score far above the rest so kvpress keeps them.
+
+    The model is touched only while the press is in use: inside ``with press(model):`` (kvpress's
+    context manager, which its pipeline enters) and, under a layer budget, while a cache the press
+    compressed lives. On exit, also after an exception, kvpress's hooks and the ``rotary_emb``
+    references kvpress puts on attention modules are gone; the attention wrapper a layer budget
+    needs (its layers hold different counts, and the model builds one mask, for layer 0) stays
+    until the caches the press compressed are collected, since kvpress's pipeline answers from
+    such a cache after the ``with`` block.
 
     Budget: kvpress keeps ``max(1, int(n·(1 − compression_ratio)))`` of *all* n tokens,
     protected ones included, as CurKVCache does, while the harness's one-prefill selection
@@ -53,7 +68,8 @@ class CurKVPress(ScorerPress):
         ``"scorer"``: a scorer with a calibrated ``layer_budget`` (``curkv-train calibrate``) keeps
         ``int(n·ρ_l)`` in layer l, the ρ_l averaging to 1 − ``compression_ratio`` as in
         :class:`~curkv_train.runtime.CurKVCache` (which reads this argument the same way); the model's
-        attention is then switched to the runtime's wrapper, which fits the mask to each layer's length.
+        attention is then switched to the runtime's wrapper, which fits the mask to each layer's length,
+        for as long as the press is in use (see above).
         ``"uniform"``: one ratio. A LayerBudget: that split.
     scorer_precision : str, optional
         The scorer's ``matmul_precision`` for this press (``highest`` or ``medium``, as
@@ -66,6 +82,8 @@ class CurKVPress(ScorerPress):
     layer_budget: str | LayerBudget = "scorer"
     scorer_precision: str | None = None
     model: PreTrainedModel | None = field(default=None, init=False, repr=False, compare=False)
+    # caches compressed per layer whose lifetime holds the attention wrapper (weakly: they go when the user drops them)
+    budgeted_caches: weakref.WeakSet = field(default_factory=weakref.WeakSet, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -78,14 +96,38 @@ class CurKVPress(ScorerPress):
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         """Load the scorer (checked against ``model``) and keep the model for its rotary tables."""
         if not isinstance(self.scorer, Scorer):
-            from curkv_train.runtime.serialization import load_scorer
-
             self.scorer = load_scorer(self.scorer, model=model)
         if self.scorer_precision is not None:
             self.scorer = replace(self.scorer, matmul_precision=self.scorer_precision)
         self.model = model
-        if self.budget is not None:
-            install_runtime_attention(model, factored=False, per_layer=True)
+
+    @contextmanager
+    def __call__(self, model: PreTrainedModel) -> Iterator[None]:
+        """kvpress's ``with press(model):`` (its hooks, and :meth:`post_init_from_model`), with the runtime's attention
+        wrapper held inside it under a layer budget; on exit, also after an exception, the model is as it was but
+        for the wrapper the caches the press compressed hold (:meth:`hold_wrapper_for`)."""
+        rotary = {module: module._modules.get("rotary_emb", _ABSENT) for module in attention_modules(model)}
+        try:
+            with super().__call__(model), self.wrapper_hold(model):
+                yield
+        finally:
+            restore_rotary(rotary)
+
+    def wrapper_hold(self, model: PreTrainedModel) -> AbstractContextManager:
+        """A hold on the runtime's attention wrapper under a layer budget (a one-line error, before any forward, for
+        an attention implementation that cannot fit masks per layer), else nothing."""
+        if self.budget is None:
+            return nullcontext()
+        return install_runtime_attention(model, factored=False, per_layer=True)
+
+    def hold_wrapper_for(self, cache: object) -> None:
+        """Keep the model on the runtime's attention wrapper until ``cache`` (compressed per layer) is collected:
+        continuing from it, as kvpress's pipeline does after ``with press(model):``, needs the masks fitted per
+        layer."""
+        if cache is None or cache in self.budgeted_caches:
+            return
+        install_runtime_attention(self.model, factored=False, per_layer=True).release_with(cache)
+        self.budgeted_caches.add(cache)
 
     @property
     def budget(self) -> LayerBudget | None:
@@ -128,8 +170,19 @@ class CurKVPress(ScorerPress):
         budget = self.budget
         if budget is None or self.compression_ratio == 0:
             return super().compress(module, hidden_states, keys, values, attentions, kwargs)
+        self.hold_wrapper_for(kwargs.get("past_key_values"))
         keep = budget.ratios(1.0 - self.compression_ratio)[module.layer_idx]
         scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
         kept = scores.topk(max(1, int(keys.shape[2] * keep)), dim=-1).indices
         kept = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, kept).contiguous(), values.gather(2, kept).contiguous()
+
+
+def restore_rotary(before: dict[nn.Module, object]) -> None:
+    """Give each attention module the ``rotary_emb`` it had in ``before`` (module -> its submodule, or absent):
+    kvpress's ``with press(model):`` points every attention module's ``rotary_emb`` at the model's and leaves it."""
+    for module, rotary in before.items():
+        if rotary is _ABSENT:
+            module._modules.pop("rotary_emb", None)
+        else:
+            module.rotary_emb = rotary

@@ -3,14 +3,14 @@ and its cold blocks (CUR factors of keys and values)."""
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
-from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, check_recent_share, kept_count, share_of_compressible
 from curkv_train.core.errors import CurKVError
-from curkv_train.kernels import BACKENDS
+from curkv_train.core.selection import ADAPTIVE, check_keep_ratio, kept_count, share_of_compressible
 from curkv_train.runtime import cur
 from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.runtime.cache_config import ComputeConfig, TierConfig, check_whole
+
 
 def adaptive_keep_ratio(tokens: int) -> float:
     """The seed's length-adaptive keep ratio: < 1K tokens 1.0 (no compression), 1K–4K 0.5, > 4K 0.3."""
@@ -19,15 +19,10 @@ def adaptive_keep_ratio(tokens: int) -> float:
     return 0.5 if tokens <= 4096 else 0.3
 
 
-def check_whole(name: str, value: object) -> None:
-    """A one-line CurKVError unless ``value`` (a budget in tokens or bytes) is None or a whole number."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise CurKVError(f"{name} must be a whole number, got {value!r}")
-
-
 @dataclass(frozen=True)
 class TierSettings:
-    """What one cache layer keeps; see :class:`~curkv_train.runtime.cache.CurKVCache` for the meaning of each field."""
+    """What one cache layer keeps, in tokens: a :class:`~curkv_train.runtime.cache_config.TierConfig` resolved against a
+    scorer (its spans and head_dim fill the fields left None) and the cache's budget (:meth:`resolve`)."""
 
     keep_ratio: float | str
     n_sink: int
@@ -47,29 +42,35 @@ class TierSettings:
     interval: int  # tokens that pile up past the hot tier before a compression
     layer_budget: LayerBudget | None = None
 
+    @classmethod
+    def resolve(cls, tiers: TierConfig, compute: ComputeConfig, *, keep_ratio: float | str, max_tokens: int | None,
+                n_sink: int, window: int, head_dim: int, layer_budget: LayerBudget | None) -> "TierSettings":
+        """The settings ``tiers`` and ``compute`` give a cache whose scorer protects ``n_sink`` sinks, works in
+        windows of ``window`` tokens and reads keys ``head_dim`` wide (each used where ``tiers`` leaves it None)."""
+        window = window if tiers.window is None else tiers.window
+        half = max(1, head_dim // 2)
+        return cls(keep_ratio=keep_ratio, n_sink=n_sink if tiers.n_sink is None else tiers.n_sink, window=window,
+                   hot_tokens=window * (tiers.hot_windows if tiers.hot else 1), interval=window * tiers.compress_every,
+                   warm_tokens=window * tiers.warm_windows if tiers.warm else 0, cold=tiers.cold,
+                   cold_block=4 * window if tiers.cold_block is None else tiers.cold_block,
+                   cold_rows=half if tiers.cold_rows is None else tiers.cold_rows,
+                   cold_channels=half if tiers.cold_channels is None else tiers.cold_channels,
+                   cold_core=tiers.cold_core, compensation=tiers.compensation,
+                   compensation_ratio=tiers.compensation_ratio, max_tokens=max_tokens, backend=compute.backend,
+                   recent_share=tiers.recent_share, layer_budget=layer_budget)
+
     def __post_init__(self) -> None:
+        """The budget's and the resolved spans' checks (TierConfig checked the sizes it was given)."""
         check_keep_ratio(self.keep_ratio, allow_adaptive=True)
-        check_recent_share(self.recent_share)
-        if (self.window < 1 or self.n_sink < 0 or self.hot_tokens < self.window or self.warm_tokens < 0
-                or self.interval < 1):
-            raise CurKVError(f"need window >= 1, n_sink >= 0, hot_windows >= 1, warm_windows >= 0 and compress_every "
-                             f">= 1; got window {self.window}, n_sink {self.n_sink}, hot {self.hot_tokens}, warm "
-                             f"{self.warm_tokens}, compression interval {self.interval} tokens")
-        if min(self.cold_block, self.cold_rows, self.cold_channels) < 1:
-            raise CurKVError(f"cold_block, cold_rows and cold_channels must be >= 1, got {self.cold_block}, "
-                             f"{self.cold_rows}, {self.cold_channels}")
-        if not 0.0 <= self.compensation_ratio <= 1.0:
-            raise CurKVError(f"compensation_ratio must be in [0, 1], got {self.compensation_ratio}")
-        if self.cold_core not in cur.CORES:
-            raise CurKVError(f"unknown cold_core {self.cold_core!r}; expected one of {', '.join(cur.CORES)}")
+        if self.window < 1 or self.n_sink < 0:
+            raise CurKVError(f"need window >= 1 and n_sink >= 0, got window {self.window}, n_sink {self.n_sink} (the "
+                             "scorer's unless given): pass TierConfig(window=..., n_sink=...)")
         check_whole("max_tokens", self.max_tokens)
         if self.max_tokens is not None and self.kept_cap < 0:
             raise CurKVError(f"a budget of {self.max_tokens} tokens per (layer, KV head) is smaller than what every "
                              f"layer always holds: {self.fixed_tokens} (n_sink {self.n_sink} + hot tier "
                              f"{self.hot_tokens} + {self.interval - 1} tokens arriving before the next compression); "
                              "raise the budget or lower n_sink / window / hot_windows / compress_every")
-        if self.backend not in BACKENDS:
-            raise CurKVError(f"unknown backend {self.backend!r}; expected one of {', '.join(BACKENDS)}")
 
     @property
     def fixed_tokens(self) -> int:

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.runtime import CurKVCache
+from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig
 from curkv_train.runtime.layer import CurKVLayer
 from runtime_helpers import family_scorer
 
@@ -61,8 +61,8 @@ def test_cold_tier_through_the_triton_kernels_matches_torch(models):
     model, ids, tail = models["cuda"], prompt(400, "cuda"), prompt(8, "cuda")
     logits = {}
     for backend in ("torch", "triton"):
-        cache = CurKVCache(family_scorer("seed"), model=model, keep_ratio=0.5, cold=True, warm_windows=2,
-                           backend=backend)
+        cache = CurKVCache(family_scorer("seed"), model=model, keep_ratio=0.5,
+                           tiers=TierConfig(cold=True, warm_windows=2), compute=ComputeConfig(backend=backend))
         model(ids, past_key_values=cache)
         assert cache.layers[0].cold, "the prompt should leave a cold block"
         logits[backend] = torch.cat([model(tail[:, i : i + 1], past_key_values=cache).logits for i in range(8)], 1)
@@ -77,7 +77,8 @@ def test_a_compiled_scorer_keeps_what_the_eager_one_keeps(models, monkeypatch):
     monkeypatch.setattr(features, "feature_backend", lambda *args: "torch")
     model, held = models["cuda"], []
     for compile_scorer in (False, True):
-        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compile_scorer=compile_scorer)
+        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5,
+                           compute=ComputeConfig(compile_scorer=compile_scorer))
         model(prompt(300, "cuda"), past_key_values=cache)
         held.append(torch.stack([layer.positions.long() for layer in cache.layers]))
     assert torch.equal(held[1], held[0])

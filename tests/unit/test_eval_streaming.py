@@ -34,7 +34,7 @@ from curkv_train.eval.stream_rows import (
     stream_methods,
 )
 from curkv_train.eval.streaming import StreamTrace, evaluate_streaming, segment_sums, stream_document
-from curkv_train.runtime import CurKVCache
+from curkv_train.runtime import ComputeConfig, CurKVCache
 
 WINDOW, N_SINK, PREFIX = 16, 4, 120
 
@@ -109,16 +109,16 @@ def test_recency_and_learned_caches_hold_equal_bytes(model, family):
     scorer = family_scorer(family, n_sink=N_SINK, window=WINDOW) if family != "seed" else random_scorer(window=WINDOW)
     ids = tokens(400, seed=2)
     for memory in memory_settings([0.5], [120]):
-        learned = stream_document(model, StreamRun(CurKVCache(scorer, model=model, backend="torch",
+        learned = stream_document(model, StreamRun(CurKVCache(scorer, model=model, compute=ComputeConfig("torch"),
                                                               **memory.cache_options())), ids, PREFIX, WINDOW)
-        recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, backend="torch",
+        recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, compute=ComputeConfig("torch"),
                                                                **memory.cache_options())), ids, PREFIX, WINDOW)
         assert [step[1:] for step in learned.steps] == [step[1:] for step in recent.steps], memory.label
         assert not np.allclose(learned.nll, recent.nll)  # they did keep different tokens
     # StreamingLLM (no tiers, no observation) holds as many tokens as the dense learned cache, fewer bytes
-    sink_recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, keep_ratio=0.5, cold=False,
+    sink_recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, keep_ratio=0.5,
                                                                 observe=False)), ids, PREFIX, WINDOW)
-    dense = stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False)), ids,
+    dense = stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5)), ids,
                             PREFIX, WINDOW)
     assert [step[2] for step in sink_recent.steps] == [step[2] for step in dense.steps]
     assert all(a[1] <= b[1] for a, b in zip(sink_recent.steps, dense.steps))
@@ -126,7 +126,7 @@ def test_recency_and_learned_caches_hold_equal_bytes(model, family):
 
 
 def test_recency_cache_keeps_the_sinks_and_the_newest_tokens(model, scorer):
-    cache = RecencyCache(scorer, model=model, keep_ratio=0.5, cold=False, observe=False)
+    cache = RecencyCache(scorer, model=model, keep_ratio=0.5, observe=False)
     with torch.no_grad():
         model(tokens(300), past_key_values=cache)
     held = cache.layers[0].positions[0, 0].long().tolist()
@@ -136,7 +136,8 @@ def test_recency_cache_keeps_the_sinks_and_the_newest_tokens(model, scorer):
 def test_chunk_token_by_token_equals_a_window_per_chunk(model, scorer):
     """Fed a window at a time the cache compresses exactly when token-by-token generation would."""
     ids = tokens(330, seed=3)
-    runs = [stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")),
+    compute = ComputeConfig("torch")
+    runs = [stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5, compute=compute)),
                             ids, PREFIX, chunk) for chunk in (1, WINDOW)]
     np.testing.assert_allclose(runs[0].nll, runs[1].nll, atol=1e-4)
 

@@ -11,12 +11,13 @@ from transformers import DynamicCache
 
 from curkv_train.core.observation import attention_modules
 from curkv_train.models.base import TINY_RANDOM, load_base_model
-from curkv_train.runtime import CurKVCache, cur
+from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig, cur
 from curkv_train.runtime.allocation import LayerBudget
-from curkv_train.runtime.attention import HOOK_ATTRIBUTE, cache_layer_of
-from runtime_helpers import random_scorer
+from curkv_train.runtime.attention import cache_layer_of
+from runtime_helpers import TORCH, random_scorer
 
 WINDOW, N_SINK = 16, 4
+COLD = TierConfig(cold=True)
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -37,21 +38,21 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def test_installation_is_idempotent_and_wraps_the_implementation(model, scorer):
-    CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True)
-    hooks = [getattr(module, HOOK_ATTRIBUTE) for module in attention_modules(model)]
-    counts = [len(module._forward_pre_hooks) for module in attention_modules(model)]
-    CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True)
+def test_caches_share_one_installation_and_the_wrapper(model, scorer):
+    first = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=COLD)
+    hooks = [dict(module._forward_pre_hooks) for module in attention_modules(model)]
+    second = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=COLD)
     assert model.config._attn_implementation == "curkv_factored_sdpa"
-    assert [getattr(module, HOOK_ATTRIBUTE) for module in attention_modules(model)] == hooks
-    assert [len(module._forward_pre_hooks) for module in attention_modules(model)] == counts
+    assert [dict(module._forward_pre_hooks) for module in attention_modules(model)] == hooks
+    first.close(), second.close()
     model.set_attn_implementation("eager")
-    assert CurKVCache(scorer, model=model, cold=True).factored_attention
-    assert model.config._attn_implementation == "curkv_factored_eager"
+    with CurKVCache(scorer, model=model, tiers=COLD) as cache:
+        assert cache.factored_attention and model.config._attn_implementation == "curkv_factored_eager"
+    assert model.config._attn_implementation == "eager"
 
 
 def test_hook_records_the_layer_of_a_curkv_cache_only(model, scorer):
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=COLD, compute=TORCH)
     modules = attention_modules(model)
     with torch.no_grad():
         model(prompt(40), past_key_values=cache)
@@ -72,8 +73,8 @@ def test_factored_generation_matches_the_reconstructing_path(model, scorer, impl
     """Same logits (fp32 tolerance) and the same greedy tokens, decode steps and a 5-token chunk, cold blocks present;
     under a layer budget too (layers of different lengths: the model's mask is fitted to each)."""
     model.set_attn_implementation(implementation)
-    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch", factored_attention=factored,
-                         layer_budget=budget or "uniform")
+    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget=budget or "uniform", tiers=COLD,
+                         compute=ComputeConfig(backend="torch", factored_attention=factored))
               for factored in (True, False)]
     ids, seen = prompt(500), 0
     chunk = prompt(5, seed=1)
@@ -91,7 +92,8 @@ def test_factored_generation_matches_the_reconstructing_path(model, scorer, impl
 
 def test_triton_backend_runs_the_factored_path(model, scorer):
     """backend='auto' (the Triton kernels under TRITON_INTERPRET=1) against the torch reference path."""
-    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend=backend) for backend in ("torch", "auto")]
+    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=COLD, compute=ComputeConfig(backend=backend))
+              for backend in ("torch", "auto")]
     ids, seen = prompt(500), 0
     with torch.no_grad():
         for _ in range(3):
@@ -122,7 +124,8 @@ class LargestNewStorage(TorchDispatchMode):
 def test_a_decode_step_allocates_no_dense_copy_of_the_cold_blocks(model, scorer, factored, monkeypatch):
     """With factored attention update returns the dense tokens only, nothing rebuilds a cold block, and no
     op of the step allocates as much as one cold K (or V); the reconstructing path does (the control)."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=True, backend="torch", factored_attention=factored)
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=COLD,
+                       compute=ComputeConfig(backend="torch", factored_attention=factored))
     with torch.no_grad():
         token = model(prompt(1000), past_key_values=cache).logits[:, -1:].argmax(-1)
     layer = cache.layers[0]
@@ -159,8 +162,8 @@ def test_flex_attention_with_a_layer_budget_is_one_error_and_runs_with_one_ratio
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with pytest.raises(CurKVError, match="builds one block mask for layer 0's length"):
-        CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget=LayerBudget((1.0, 5.0)), backend="torch")
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget="uniform", backend="torch")
+        CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget=LayerBudget((1.0, 5.0)), compute=TORCH)
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget="uniform", compute=TORCH)
     if "kvpress" in sys.modules:  # importing kvpress patches transformers' attention functions: flex then fails alone
         return
     with torch.no_grad():

@@ -9,11 +9,11 @@ from transformers import DynamicCache
 from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.seed_estimator import ValueEstimator
-from curkv_train.runtime import CurKVCache, Scorer
-from runtime_helpers import family_scorer, random_scorer
+from curkv_train.runtime import ComputeConfig, CurKVCache, Scorer, TierConfig
+from runtime_helpers import TORCH, family_scorer, random_scorer
 
 WINDOW, N_SINK = 16, 4
-TIERS_OFF = {"hot": False, "cold": False}
+TIERS_OFF = TierConfig(hot=False)  # the hot tier down to one window, no cold tier
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -59,10 +59,10 @@ def plain_tokens(model):
     return greedy(model, prompt(150))
 
 
-@pytest.mark.parametrize("options", [TIERS_OFF, {}, {"keep_ratio": "adaptive"}])
+@pytest.mark.parametrize("options", [{"tiers": TIERS_OFF}, {}, {"keep_ratio": "adaptive"}])
 def test_keep_ratio_one_generates_like_plain_cache(model, scorer, plain_tokens, options):
     ids = prompt(150)
-    settings = {"keep_ratio": 1.0, "backend": "torch", **options}
+    settings = {"keep_ratio": 1.0, "compute": TORCH, **options}
     cache = CurKVCache(scorer, model=model, **settings)
     assert torch.equal(greedy(model, ids, cache), plain_tokens)
     assert cache.held_tokens(0) == cache.get_seq_length() == 150 + 39
@@ -74,7 +74,7 @@ def test_half_keep_after_prefill_holds_at_most_52_percent(model, scorer):
     full = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, past_key_values=full)
-        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TIERS_OFF, compute=TORCH)
         model(ids, past_key_values=cache)
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
     kept = 1024 // 2  # sinks and window inside the half
@@ -87,7 +87,7 @@ def test_half_keep_after_prefill_holds_at_most_52_percent(model, scorer):
 
 
 def test_heads_keep_different_tokens_but_sinks_and_window_always(model, scorer):
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.3, backend="torch", **TIERS_OFF)
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.3, tiers=TIERS_OFF, compute=TORCH)
     with torch.no_grad():
         model(prompt(400), past_key_values=cache)
     positions = cache.layers[0].positions.long()[0]
@@ -103,7 +103,7 @@ def test_attention_runs_over_held_tokens_at_true_positions(model, scorer):
     ids, chunk = prompt(300), prompt(5, seed=1)
     for implementation in ("sdpa", "eager"):
         model.set_attn_implementation(implementation)
-        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TIERS_OFF, compute=TORCH)
         with torch.no_grad():
             model(ids, past_key_values=cache)
             reference = DynamicCache(config=model.config)
@@ -125,7 +125,8 @@ class OldestFirstCache(CurKVCache):
 
 @pytest.mark.parametrize("share, recent", [(0.0, 0), (0.5, 90), (1.0, 180)])
 def test_recent_share_gives_the_newest_their_places_and_the_score_the_rest(model, scorer, share, recent):
-    cache = OldestFirstCache(scorer, model=model, keep_ratio=0.5, recent_share=share, backend="torch", **TIERS_OFF)
+    cache = OldestFirstCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(hot=False, recent_share=share),
+                             compute=TORCH)
     with torch.no_grad():
         model(prompt(400), past_key_values=cache)
     # 200 held, 20 of them the 4 sinks and the 16-token window: 180 of the 380 compressible tokens kept
@@ -139,11 +140,11 @@ def test_recent_share_gives_the_newest_their_places_and_the_score_the_rest(model
 @pytest.mark.parametrize("share", [-0.1, 1.5, "half"])
 def test_recent_share_outside_range_is_a_user_error(model, scorer, share):
     with pytest.raises(CurKVError, match="recent_share must be in"):
-        CurKVCache(scorer, model=model, recent_share=share)
+        CurKVCache(scorer, model=model, tiers=TierConfig(recent_share=share))
 
 
 def test_decoding_recompresses_and_stays_within_bound(model, scorer):
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **TIERS_OFF)
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TIERS_OFF, compute=TORCH)
     with torch.no_grad():
         output = model(prompt(200), past_key_values=cache)
         token = output.logits[:, -1:].argmax(-1)
@@ -163,7 +164,7 @@ def test_decoding_recompresses_and_stays_within_bound(model, scorer):
 @pytest.mark.parametrize("keep_ratio", [0.3, 0.5, 0.8])
 def test_keep_ratio_is_the_share_of_every_token_seen_held_after_a_compression(model, scorer, keep_ratio):
     """Sinks and the hot tier count inside ρ: right after each compression every layer holds ⌈ρ·seen⌉."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, layer_budget="uniform", backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, layer_budget="uniform", compute=TORCH)
     layer, after = cache.layers[0], []
     compress = layer.compress
     layer.compress = lambda *scores: (compress(*scores), after.append((layer.seen, cache.held_tokens(0))))
@@ -174,7 +175,8 @@ def test_keep_ratio_is_the_share_of_every_token_seen_held_after_a_compression(mo
 
 @pytest.mark.parametrize("compress_every", [1, 2, 3])
 def test_decoding_compresses_once_per_interval(model, scorer, compress_every):
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compress_every=compress_every, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(compress_every=compress_every),
+                       compute=TORCH)
     layer = cache.layers[0]
     calls = []
     compress = layer.compress
@@ -189,7 +191,7 @@ def test_decoding_compresses_once_per_interval(model, scorer, compress_every):
 def test_decoding_allocates_less_than_a_window_of_unused_room(model, scorer):
     """The dense tensors grow a window at a time: their unused room, counted as held, stays below one window
     (room for a whole compression interval would sit up to 2·WINDOW − 1 tokens empty)."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compress_every=2, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(compress_every=2), compute=TORCH)
     unused = []
 
     def on_step():
@@ -203,7 +205,7 @@ def test_decoding_allocates_less_than_a_window_of_unused_room(model, scorer):
 
 def test_token_budget_bounds_memory_for_long_generation(model, scorer):
     budget = N_SINK + 3 * WINDOW + WINDOW - 1 + 40
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, max_tokens=budget, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, max_tokens=budget, compute=TORCH)
     sizes = []
     decode(model, prompt(120), cache, 6 * WINDOW, lambda: sizes.append(cache.held_tokens(0)))
     assert max(sizes) <= budget and max(sizes) > budget - WINDOW  # the budget binds
@@ -213,10 +215,10 @@ def test_token_budget_bounds_memory_for_long_generation(model, scorer):
 
 
 def test_byte_budget_bounds_the_bytes_held(model, scorer):
-    dense = CurKVCache(scorer, model=model, keep_ratio=1.0, cold=False, backend="torch")
+    dense = CurKVCache(scorer, model=model, keep_ratio=1.0, compute=TORCH)
     greedy(model, prompt(300), dense, new=2 * WINDOW)
     budget = dense.nbytes() // 2
-    cache = CurKVCache(scorer, model=model, keep_ratio=1.0, max_bytes=budget, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=1.0, max_bytes=budget, compute=TORCH)
     held = []
     decode(model, prompt(300), cache, 6 * WINDOW, lambda: held.append(cache.nbytes()))
     assert max(held) <= budget and max(held) > budget * 0.6
@@ -226,13 +228,13 @@ def test_byte_budget_bounds_the_bytes_held(model, scorer):
 @pytest.mark.parametrize("budget", [{"max_tokens": N_SINK + 3 * WINDOW}, {"max_bytes": 1000}])
 def test_budget_smaller_than_what_every_layer_holds_is_refused(model, scorer, budget):
     with pytest.raises(CurKVError, match="every layer always holds"):
-        CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", **budget)
+        CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH, **budget)
 
 
 def test_tiers_hold_fewer_bytes_and_still_generate(model, scorer):
     ids = prompt(500)
-    plain = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", cold=False)
-    tiered = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", cold=True)
+    plain = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
+    tiered = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(cold=True), compute=TORCH)
     greedy(model, ids, plain, new=2 * WINDOW)
     tokens = greedy(model, ids, tiered, new=2 * WINDOW)
     assert tokens.shape == (1, 500 + 2 * WINDOW)
@@ -246,7 +248,7 @@ def test_compensation_and_warm_switches(model, scorer):
     ids = prompt(500)
     held = {}
     for name, options in {"all": {}, "no_comp": {"compensation": False}, "no_warm": {"warm": False}}.items():
-        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch", cold=True, **options)
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(cold=True, **options), compute=TORCH)
         with torch.no_grad():
             model(ids, past_key_values=cache)
         held[name] = (cache.nbytes(), cache.tier_sizes(0))
@@ -256,7 +258,8 @@ def test_compensation_and_warm_switches(model, scorer):
 
 def test_triton_backend_compacts_like_torch(model, scorer):
     ids = prompt(120)
-    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, backend=b, **TIERS_OFF) for b in ("torch", "auto")]
+    caches = [CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TIERS_OFF, compute=ComputeConfig(backend=b))
+              for b in ("torch", "auto")]
     with torch.no_grad():
         for cache in caches:
             model(ids, past_key_values=cache)
@@ -265,8 +268,8 @@ def test_triton_backend_compacts_like_torch(model, scorer):
 
 @pytest.mark.parametrize("compress_every", [0, -1])
 def test_a_compression_interval_below_one_window_is_a_user_error(model, scorer, compress_every):
-    with pytest.raises(CurKVError, match="compress_every >= 1"):
-        CurKVCache(scorer, model=model, keep_ratio=0.5, compress_every=compress_every)
+    with pytest.raises(CurKVError, match="compress_every must be a whole number >= 1"):
+        CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(compress_every=compress_every))
 
 
 @pytest.mark.parametrize("keep_ratio", [0.0, -0.1, 1.5, "fast"])
@@ -281,7 +284,7 @@ def test_scorer_for_other_shapes_is_rejected(model):
 
 
 def test_crop_after_compression_is_rejected(model, scorer):
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     with torch.no_grad():
         model(prompt(200), past_key_values=cache)
     with pytest.raises(CurKVError, match="cropped"):
@@ -291,7 +294,7 @@ def test_crop_after_compression_is_rejected(model, scorer):
 def test_a_crop_frees_what_it_drops_and_counts_what_it_holds(model, scorer):
     from curkv_train.runtime.buffer import buffer_of
 
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     with torch.no_grad():
         model(prompt(30), past_key_values=cache)
         for step in range(5):
@@ -311,8 +314,7 @@ def test_a_falling_keep_ratio_evicts_the_oldest_cold_tokens_not_the_warm_ones(mo
     with torch.no_grad():
         estimator.key_weight.normal_()
         estimator.position_weight.normal_()
-    cache = CurKVCache(Scorer(estimator, n_sink=4, window=16), model=model, keep_ratio="adaptive", cold=True,
-                       backend="torch")
+    cache = CurKVCache(Scorer(estimator, n_sink=4, window=16), model=model, keep_ratio="adaptive", tiers=TierConfig(cold=True), compute=TORCH)
     with torch.no_grad():
         model(prompt(3000), past_key_values=cache)
         cold_before = cache.tier_sizes(0)["cold"]
@@ -349,7 +351,7 @@ def test_a_padded_batch_is_refused(scorer, implementation):
     ids = prompt(40).expand(2, -1).clone()
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding on the second row
-    cache = CurKVCache(scorer, model=padded_model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=padded_model, keep_ratio=0.5, compute=TORCH)
     with pytest.raises(CurKVError, match="padded batches"):
         padded_model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False,
                               pad_token_id=0)
@@ -357,7 +359,7 @@ def test_a_padded_batch_is_refused(scorer, implementation):
 
 def test_a_chunk_longer_than_the_hot_tier_is_compressed_on_arrival(model, scorer):
     """Documented behaviour: like a prefill, a long chunk's older tokens compete as soon as it arrives."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     with torch.no_grad():
         model(prompt(100), past_key_values=cache)
         model(prompt(400)[:, 100:], past_key_values=cache)  # 300 new tokens, hot tier 2 windows = 32
@@ -368,7 +370,7 @@ def test_a_chunk_longer_than_the_hot_tier_is_compressed_on_arrival(model, scorer
 
 def test_a_query_aware_cache_crops_within_its_observation_window_only(model):
     """Window of 8 queries: a crop from 6 to 4 tokens rolls it back; one from 12 cannot, and leaves the cache as it was."""
-    cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compute=TORCH)
     with torch.no_grad():
         model(prompt(6), past_key_values=cache)
         cache.crop(4)
@@ -381,9 +383,9 @@ def test_a_query_aware_cache_crops_within_its_observation_window_only(model):
 
 @pytest.mark.parametrize("option", ["cold_block", "cold_rows", "cold_channels"])
 @pytest.mark.parametrize("value", [0, -1])
-def test_cold_sizes_below_one_are_refused_not_replaced_by_defaults(model, scorer, option, value):
-    with pytest.raises(CurKVError, match="cold_block, cold_rows and cold_channels must be >= 1"):
-        CurKVCache(scorer, model=model, cold=True, **{option: value})
+def test_cold_sizes_below_one_are_refused_not_replaced_by_defaults(option, value):
+    with pytest.raises(CurKVError, match=f"{option} must be a whole number >= 1"):
+        TierConfig(cold=True, **{option: value})
 
 
 @pytest.mark.parametrize("chunk", [1, 5])
@@ -392,7 +394,7 @@ def test_a_tight_byte_budget_holds_at_every_step(model, scorer, chunk):
     the next compression, and the slot of the token that triggers it is paid for (both went over before)."""
     held = []
     for budget in range(19200, 27000, 1200):
-        cache = CurKVCache(scorer, model=model, keep_ratio=1.0, window=8, max_bytes=budget, backend="torch")
+        cache = CurKVCache(scorer, model=model, keep_ratio=1.0, max_bytes=budget, tiers=TierConfig(window=8), compute=TORCH)
         with torch.no_grad():
             model(prompt(200), past_key_values=cache)
             for step in range(12):
@@ -408,7 +410,7 @@ def test_a_prefill_under_inference_mode_then_decoding_under_no_grad(model, famil
     """Buffers made under torch.inference_mode are written in place by the later no_grad steps (DynamicCache
     concatenates and never hits this)."""
     scorer = family_scorer(family)
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     with torch.inference_mode():  # the second part leaves room in the buffers, made here
         model(prompt(120), past_key_values=cache)
         logits = model(prompt(3, seed=1), past_key_values=cache).logits
@@ -422,7 +424,7 @@ def test_a_deep_copy_shares_the_model_and_scorer_and_decodes_apart(model, scorer
     """transformers reuses a prompt's cache through copy.deepcopy: the copy holds its own tokens only."""
     import copy
 
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     with torch.no_grad():
         model(prompt(150), past_key_values=cache)
     twin = copy.deepcopy(cache)
@@ -437,15 +439,15 @@ def test_the_least_byte_budget_an_error_names_is_accepted(model, scorer):
     import re
 
     with pytest.raises(CurKVError, match="give at least") as refused:
-        CurKVCache(scorer, model=model, max_bytes=1000, backend="torch")
+        CurKVCache(scorer, model=model, max_bytes=1000, compute=TORCH)
     least = int(re.search(r"give at least (\d+) bytes", str(refused.value)).group(1))
-    CurKVCache(scorer, model=model, max_bytes=least, backend="torch")
+    CurKVCache(scorer, model=model, max_bytes=least, compute=TORCH)
     with pytest.raises(CurKVError, match="give at least"):
-        CurKVCache(scorer, model=model, max_bytes=least - 1, backend="torch")
+        CurKVCache(scorer, model=model, max_bytes=least - 1, compute=TORCH)
 
 
 @pytest.mark.parametrize("budget", [{"max_tokens": 400.5}, {"max_bytes": 10.0**9}, {"max_tokens": True}])
 def test_a_budget_that_is_not_a_whole_number_is_refused(model, scorer, budget):
     name, value = next(iter(budget.items()))
     with pytest.raises(CurKVError, match=f"{name} must be a whole number, got {value!r}"):
-        CurKVCache(scorer, model=model, backend="torch", **budget)
+        CurKVCache(scorer, model=model, compute=TORCH, **budget)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from curkv_train.runtime import CurKVCache
+from curkv_train.runtime import ComputeConfig, CurKVCache
 from runtime_helpers import family_scorer
 
 pytestmark = [
@@ -45,7 +45,8 @@ def test_a_cache_with_a_compiled_scorer_generates_what_the_eager_one_does(model)
     prompt = torch.randint(3, 512, (1, 200), generator=torch.Generator().manual_seed(0))
     tokens, compressions = [], []
     for compile_scorer in (False, True):
-        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5, compile_scorer=compile_scorer)
+        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5,
+                           compute=ComputeConfig(compile_scorer=compile_scorer))
         original = cache.scorer.score_layer
 
         def spy(model, layer, keys, values, positions, _original=original, **rest):

@@ -14,6 +14,7 @@ from curkv_train.training.export import export
 from curkv_train.models.base import TINY_RANDOM, load_base_model, tiny_llama_config
 from curkv_train.runtime import CurKVCache, load_scorer, model_fingerprint, save_scorer
 from curkv_train.runtime.serialization import CONFIG_FILE, WEIGHTS_FILE
+from runtime_helpers import TORCH
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_cli_export_and_cache_from_folder(checkpoint_path, tmp_path, model):
     out = tmp_path / "cli-scorer"
     assert cli_main(["export", "--ckpt", str(checkpoint_path), "--out", str(out)]) == 0
     assert cli_main(["export", "--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")]) == 2
-    cache = CurKVCache(out, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(out, model=model, keep_ratio=0.5, compute=TORCH)
     ids = torch.randint(3, 512, (1, 80))
     tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                             past_key_values=cache, pad_token_id=0)

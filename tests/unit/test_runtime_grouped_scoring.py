@@ -5,8 +5,8 @@ import torch
 
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.errors import CurKVError
-from curkv_train.runtime import CurKVCache
-from runtime_helpers import family_scorer
+from curkv_train.runtime import CurKVCache, TierConfig
+from runtime_helpers import TORCH, family_scorer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -52,9 +52,10 @@ def test_a_scorer_reading_per_layer_weights_scores_layer_by_layer(model):
         torch.testing.assert_close(logits, scorer.score_layer(model, layer, **each), rtol=0, atol=0)
 
 
-def prefill(model, scorer, ids, **options) -> tuple[CurKVCache, list[int]]:
-    """A CurKVCache after a prefill of ``ids``, and the sizes of the groups it scored together."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch", **options)
+def prefill(model, scorer, ids, **tiers) -> tuple[CurKVCache, list[int]]:
+    """A CurKVCache (``tiers``: TierConfig's fields) after a prefill of ``ids``, and the sizes of the groups it scored
+    together."""
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(**tiers), compute=TORCH)
     groups, batched = [], cache._score_layers
 
     def spy(layers):
@@ -89,8 +90,8 @@ def test_a_prompt_fed_in_chunks_scored_in_groups_keeps_what_layer_by_layer_scori
     ids = torch.randint(3, 512, (1, 112), generator=torch.Generator().manual_seed(4))
     caches = []
     for tokens in (4096, 0):
-        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch",
-                           scoring_batch_tokens=tokens)
+        cache = CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=TierConfig(scoring_batch_tokens=tokens),
+                           compute=TORCH)
         with torch.no_grad():
             for chunk in ids.split(16, dim=1):
                 model(chunk, past_key_values=cache)
@@ -102,7 +103,7 @@ def test_a_prompt_fed_in_chunks_scored_in_groups_keeps_what_layer_by_layer_scori
 
 def test_a_layer_left_waiting_by_a_pass_that_stopped_is_scored_before_the_next_one(model):
     scorer = family_scorer("query_aware", features=LEAN)
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     last = model.model.layers[-1].self_attn
 
     def stop(*args, **kwargs):
@@ -122,4 +123,4 @@ def test_a_layer_left_waiting_by_a_pass_that_stopped_is_scored_before_the_next_o
 @pytest.mark.parametrize("tokens", [-1, 2.5, None])
 def test_a_bad_scoring_batch_is_refused(model, tokens):
     with pytest.raises(CurKVError, match="scoring_batch_tokens"):
-        CurKVCache(family_scorer("seed"), model=model, scoring_batch_tokens=tokens)
+        CurKVCache(family_scorer("seed"), model=model, tiers=TierConfig(scoring_batch_tokens=tokens))

@@ -10,7 +10,7 @@ from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.families import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer
-from runtime_helpers import random_scorer
+from runtime_helpers import TORCH, random_scorer
 
 SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
@@ -36,14 +36,14 @@ def test_other_families_generate_exactly_at_keep_ratio_one(scorer, config):
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(3, 512, (1, 120), generator=torch.Generator().manual_seed(0))
     assert torch.equal(greedy(model, ids, CurKVCache(scorer, model=model, keep_ratio=1.0)), greedy(model, ids))
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     assert greedy(model, ids, cache).shape == (1, 140) and cache.held_tokens(0) < 139
 
 
 def test_beam_search_reorders_the_compressed_cache(scorer):
     model = load_base_model(TINY_RANDOM)
     ids = torch.randint(3, 512, (1, 90), generator=torch.Generator().manual_seed(1))
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=TORCH)
     assert greedy(model, ids, cache, num_beams=2).shape == (1, 110)
     assert cache.layers[0].keys.shape[0] == cache.layers[0].positions.shape[0] == 2
 
@@ -70,7 +70,7 @@ def test_observation_bytes_count_the_query_ring_when_heads_are_wider_than_the_hi
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3Config(**{**SHAPES, "head_dim": 32})).eval()
     estimator = build_estimator("query_aware", kv_shape(model.config), observation_window=8).eval()
-    cache = CurKVCache(Scorer(estimator, n_sink=4, window=16), model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(Scorer(estimator, n_sink=4, window=16), model=model, keep_ratio=0.5, compute=TORCH)
     with torch.no_grad():
         model(torch.randint(3, 512, (1, 60), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
     assert cache.observation_bytes() == sum(layer.observer.nbytes() for layer in cache.layers)
@@ -79,7 +79,7 @@ def test_observation_bytes_count_the_query_ring_when_heads_are_wider_than_the_hi
 def test_a_sliding_window_model_is_served_within_the_window_and_refused_past_it(scorer):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MistralConfig(**SHAPES, sliding_window=64)).eval()
-    cache = CurKVCache(scorer, model=model, keep_ratio=1.0, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=1.0, compute=TORCH)
     with torch.no_grad():
         model(torch.randint(3, 512, (1, 50)), past_key_values=cache)
         model(torch.randint(3, 512, (1, 10)), past_key_values=cache)
@@ -94,7 +94,7 @@ def test_a_step_past_the_sliding_window_is_refused_before_any_layer_appends(scor
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MistralConfig(**SHAPES, sliding_window=130)).eval()
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget=LayerBudget((1.0, 5.0)), backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, layer_budget=LayerBudget((1.0, 5.0)), compute=TORCH)
     with torch.no_grad():
         model(torch.randint(3, 512, (1, 120)), past_key_values=cache)
         held = [cache.held_tokens(layer) for layer in range(2)]

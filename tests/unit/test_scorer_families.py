@@ -16,7 +16,7 @@ from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.training.capture import estimator_inputs, prefill_context
 from curkv_train.models.seed_estimator import ValueEstimator, position_features
 from curkv_train.models.families import FAMILIES, build_estimator
-from curkv_train.runtime import CurKVCache, Scorer
+from curkv_train.runtime import ComputeConfig, CurKVCache, Scorer
 from curkv_train.runtime.layer import CurKVLayer
 from runtime_helpers import family_scorer
 
@@ -41,9 +41,9 @@ def training_logits(scorer, ids):
 
 
 def cache_logits(scorer, model, ids, **options):
-    """What CurKVCache (``options`` its keywords) scores at its first compression, right after the prefill (one
-    layer at a time, or a group of layers at a time)."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch", **options)
+    """What CurKVCache (``options``: its ComputeConfig's keywords) scores at its first compression, right after the
+    prefill (one layer at a time, or a group of layers at a time)."""
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=ComputeConfig(backend="torch", **options))
     seen = {}
     original = cache._score
 
@@ -130,7 +130,7 @@ def test_untrained_query_aware_ranks_like_expected_attention(model, ids):
 
 def test_query_aware_cache_without_observations_is_an_error(model):
     scorer = family_scorer("query_aware")
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=ComputeConfig(backend="torch"))
     keys = torch.randn(1, 2, 200, 16)
     with pytest.raises(CurKVError, match="observation window"):
         cache.update(keys, keys, 0)
@@ -138,7 +138,7 @@ def test_query_aware_cache_without_observations_is_an_error(model):
 
 def test_hidden_cache_without_hidden_states_is_an_error(model):
     scorer = family_scorer("hidden")
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=ComputeConfig(backend="torch"))
     keys = torch.randn(1, 2, 10, 16)
     with pytest.raises(CurKVError, match="hidden states were not observed"):
         cache.update(keys, keys, 0)
@@ -203,7 +203,7 @@ def test_unknown_scorer_precision_is_refused(model):
     with pytest.raises(CurKVError, match="unknown matmul precision 'bf16'"):
         dataclasses.replace(scorer, matmul_precision="bf16")
     with pytest.raises(CurKVError, match="unknown matmul precision 'bf16'"):
-        CurKVCache(scorer, model=model, scorer_precision="bf16")
+        CurKVCache(scorer, model=model, compute=ComputeConfig(scorer_precision="bf16"))
     pytest.importorskip("kvpress")
     from curkv_train.runtime import CurKVPress
 
@@ -298,7 +298,7 @@ def test_a_prefill_scores_from_the_projected_keys_as_from_the_cached_ones(model,
     monkeypatch.undo()
     monkeypatch.setattr(Scorer, "score_layer", spy)
     handed.clear()
-    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, cold=False, backend="torch")
+    cache = CurKVCache(scorer, model=model, keep_ratio=0.5, compute=ComputeConfig(backend="torch"))
     with torch.no_grad():
         model.generate(ids, past_key_values=cache, max_new_tokens=70, min_new_tokens=70, do_sample=False)
     assert handed[0] and not any(handed[model.config.num_hidden_layers:])  # the decode-time compressions

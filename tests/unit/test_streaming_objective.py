@@ -8,7 +8,7 @@ from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.training.capture import estimator_inputs, prefill_context
 from curkv_train.training.objective import TrainingSettings, streaming_ends, streaming_keep_bias
-from curkv_train.runtime import CurKVCache
+from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig
 from curkv_train.training.system import CurKVModule
 from runtime_helpers import family_scorer
 
@@ -31,8 +31,8 @@ def test_rounds_keep_what_the_cache_keeps(family, keep_ratio, recent_share, comp
     ends = streaming_ends(CONTEXT, ROUNDS, stride)  # the first end holds an interval past the hot tier
 
     model = load_base_model(TINY_RANDOM, attn_implementation="sdpa")
-    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, hot_windows=HOT_WINDOWS, cold=False,
-                       recent_share=recent_share, compress_every=compress_every, backend="torch")
+    tiers = TierConfig(hot_windows=HOT_WINDOWS, recent_share=recent_share, compress_every=compress_every)
+    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, tiers=tiers, compute=ComputeConfig(backend="torch"))
     with torch.no_grad():
         model(ids[:, : ends[0]], past_key_values=cache)
         for start in ends[:-1]:
