@@ -1,52 +1,20 @@
-"""Greedy decoding speed and memory of CurKVCache's tier settings vs DynamicCache, in one process.
+"""Greedy decoding speed and memory of CurKVCache settings against DynamicCache, in one process.
 
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 256] [--threads 2]
-       [--settings default,score-only,cold,cold-rebuild,cold-no-compensation,cold-no-warm,no-hot,uniform,every-window,
-        compiled,medium,compiled-medium]
-       [--backend auto]
-       [--rounds 2]
+       [--settings NAMES] [--backend auto] [--rounds 2]
 
-For every context length: a prompt of that many tokens (the Python standard library's own
-sources, repeated as needed: timing only, no quality claim), prefilled once per cache, then
-``--new-tokens`` timed greedy decode steps (after the prefill's token). Prints per cache: decode tokens/s; the ratio to
-DynamicCache and to the default CurKVCache (dense tiers) at the same keep ratio; the most
-bytes held after any decode step (DynamicCache: its K/V; CurKVCache: ``nbytes()``, factors
-and headroom included: what a server provisions);
-the share of decode time spent compressing (``CurKVLayer.compress``: scoring, compaction,
-spilling to cold) and, inside it, scoring (the estimator); and how many greedy tokens
-agree with DynamicCache's. tokens/s counts every decode step (compression steps
-included); the median step time is the attention-only step, robust to a busy machine.
-One JSON line per run follows the tables.
+For each context length a prompt of that many tokens (the Python standard library's sources: timing only) is
+prefilled once per cache, then ``--new-tokens`` greedy steps are timed. Per cache it prints decode tokens/s, the
+ratio to DynamicCache and to the default CurKVCache at the same keep ratio, the most bytes held after any step
+(CurKVCache: ``nbytes()``), the share of decode time spent compressing and, inside it, scoring, and how many greedy
+tokens agree with DynamicCache's; then one JSON line per run. Each cache runs ``--rounds`` times, the order reversed
+each round; its fastest run is reported, with the speed-up per round beside it.
 
-Every cache runs ``--rounds`` times, the order reversed each round, and its fastest run is
-reported: on a 2-core machine the runs that come first in a sequence were up to 20 % slower
-than the same cache run last, which a single pass in a fixed order credits to the cache. The
-last column gives the speed-up over DynamicCache within each round (median and range): on a
-shared machine DynamicCache's own step time moved by ±15 % between runs, so read a ratio
-with its spread.
-
-Settings: ``default`` the runtime defaults (hot and warm tiers, dense; no cold tier; half the
-kept places to the newest tokens); ``score-only`` every kept place by score (``recent_share=0``);
-``cold`` + the opt-in cold CUR tier (factored cold attention, residual compensation);
-``cold-rebuild`` the same but rebuilding cold blocks densely each step
-(``factored_attention=False``); ``cold-no-compensation`` cold without the sparse residual;
-``cold-no-warm`` cold with warm=False; ``no-hot`` hot=False; ``uniform`` one keep ratio for every
-layer (``layer_budget="uniform"``; the default follows the scorer's calibrated budget, if any);
-``every-window`` the earlier defaults, a compression every window with a hot tier of 3 (the same
-most-held tokens as the default's 2 and 2); ``compiled`` the default scoring through ``torch.compile``
-(``compile_scorer=True``; the prefill's compression compiles it, so only the prefill pays); ``medium`` the default
-with the query features' products from bfloat16 operands (``scorer_precision="medium"``), ``compiled-medium`` both.
-``--new-tokens`` should be a multiple of every setting's
-compression interval (the default's is 128 tokens; 64 for ``every-window``): the prefill leaves no
-token pending, so each setting then compresses exactly once per interval timed.
-
-DynamicCache runs on its own copy of the base model, never hooked by a CurKVCache (an open
-CurKVCache puts pre-hooks and, for some settings, the attention wrapper on its model; each run
-closes its cache): the plain generation a user compares with.
-
-The timing hooks wrap ``CurKVLayer.compress`` and ``CurKVCache._score`` inside this
-script only; the library carries no instrumentation.
+``--settings`` names entries of :data:`SETTINGS` (CurKVCache keywords; ``default`` is the runtime's defaults).
+``--new-tokens`` should be a multiple of every setting's compression interval, so each compresses once per interval
+timed. DynamicCache runs on its own copy of the base model, never hooked by a CurKVCache. The timing hooks live in
+this script; docs/runtime.md ("Costs") has the measured figures.
 """
 
 from __future__ import annotations

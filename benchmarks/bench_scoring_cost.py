@@ -1,38 +1,24 @@
-"""What scoring costs at prefill: a CurKVCache prefill vs a plain DynamicCache prefill, in one process.
+"""What scoring costs at prefill: a CurKVCache prefill against a plain DynamicCache prefill, in one process.
 
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
        [--random-weights] [--layers N] [--compile] [--skip-features NAMES] [--feature-backend auto]
        [--scorer-precision highest] [--scoring-batch-tokens 4096]
 
-``--scorer`` is a scorer folder or shipped name, or ``init:FAMILY`` for an untrained estimator of
-that family (timing does not depend on the weights). ``--random-weights`` builds the base from its
-config alone (``--base`` may then be a folder holding only a config.json, or a hub id whose config ships in
-``data/model_configs``: ``meta-llama/Llama-2-70b-hf`` works offline), and
-``--layers N`` keeps its first N layers: the shares are per layer, so a few layers of a large
-model give its shares without its weights. For each context length: the median time
-of a plain prefill (DynamicCache), and of a prefill through CurKVCache (keep 0.5, no cold tier),
-both computing the logits of the last token only (``logits_to_keep=1``, as ``generate`` does; kvpress's
-pipeline runs the base model without its head): the prefill a user's generation pays,
-split into what the cache adds: observing (the hooks' recording of queries / hidden states and
-the query statistics), scoring (features + estimator, ``CurKVCache._score`` for a layer scored alone and
-``CurKVCache._score_layers`` for a group of a prefill's layers) and selecting
-(top-k and compaction, the rest of ``CurKVLayer._evict``). Prints each as a share of the plain
-prefill (target: scoring <= 5 %; the medians over rounds, and the score share's range over them: a shared host's
-drifts move it by a point or more), and the whole overhead from prefills timed without the parts'
-timers (on a GPU those wait for the device at every part, so the parts are upper bounds there,
-and the overhead is what a prefill that overlaps them pays). ``--compile`` scores through
-``Scorer.compiled()``, compiled by the warm-up prefill. ``--skip-features window_attention,output_norm``
-replaces those query features by constants in this process: what scoring would cost without them (timing only: the
-scores are then no trained scorer's; a scorer trained with the estimator option ``features``, e.g. the shipped
-``smollm2-135m``, computes only its own; ``--scorer smollm2-135m-four-features`` computes all four). ``--feature-backend torch`` keeps the query features'
-attention-sized parts on the torch path where ``auto`` would take the fused Triton kernels (eager scoring on CUDA): the two side by side
-give what the kernels buy. ``--scorer-precision medium`` scores with bfloat16 operands in the query features'
-attention-sized products (``Scorer.matmul_precision``); the script then also prints how far those scores are from
-the ``highest`` ones on the same prefill (the kept half's overlap per (layer, KV head), and the largest logit change).
-It also prints the minor page faults scoring takes per prefill (pages it touched first, e.g. after the allocator
-handed freed memory back to the OS), to tell those apart from the operators' own cost.
-Timing hooks live in this script; the library carries none.
+Both prefills compute the last token's logits only, as ``generate`` does. For each context length it prints the
+median plain prefill and what the cache (keep 0.5, dense tiers) adds, as shares of it: observing (the hooks'
+recording and the query statistics), scoring (features + estimator) and selecting (top-k, compaction), the score
+share's range over rounds, the whole overhead from prefills timed without the parts' timers, the minor page faults
+scoring takes, and the aten operators and Triton launches the cache adds per layer (:mod:`operator_count`); then one
+JSON line per context. A host check at start and end (:func:`timing.product_ms`) tells a slow host apart.
+
+``--scorer`` takes a folder, a shipped name or ``init:FAMILY`` (timing does not depend on the weights).
+``--random-weights`` builds the base from its config (offline for the configs in ``data/model_configs``) and
+``--layers N`` keeps its first N layers: the shares are per layer. ``--compile`` scores through
+``Scorer.compiled()``. ``--skip-features NAMES`` replaces those query features by constants (cost only).
+``--feature-backend torch`` keeps the features off the fused Triton kernels that ``auto`` takes on CUDA.
+``--scorer-precision medium`` scores with bfloat16 products and also prints how far the scores move from
+``highest``. The timing hooks live in this script; docs/runtime.md ("Costs") has the measured figures.
 """
 
 from __future__ import annotations
