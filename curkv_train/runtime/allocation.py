@@ -1,8 +1,7 @@
 """Per-layer keep ratios: spend a cache's memory where losing tokens costs the most perplexity.
 
-Compressing one decoder layer alone costs some layers far more than others (SmolLM2-135M
-streaming text at keep 0.5: giving five middle layers their whole context back removed 1.5
-points of a 3.5 % perplexity loss, five late ones 0.02). A :class:`LayerBudget` holds each
+Compressing one decoder layer alone costs some layers far more than others (docs/runtime.md,
+"Layer budget"; the shipped scorers' cards list their layers' sensitivities). A :class:`LayerBudget` holds each
 layer's *sensitivity* s_l, the perplexity loss measured with that layer compressed alone
 (``curkv-train calibrate``), and splits a mean keep ratio ρ across layers:
 
