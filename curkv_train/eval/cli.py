@@ -18,30 +18,13 @@ import torch
 from curkv_train.core.errors import CurKVError
 from curkv_train.core.shapes import text_config
 from curkv_train.eval.harness import EvalSettings, evaluate
-from curkv_train.eval.heldout import training_hashes
+from curkv_train.eval.heldout import STREAM_TASKS, load_stream_documents, training_hashes
 from curkv_train.eval.lists import FloatList, IntList, NameList
-from curkv_train.eval.methods import (
-    BASELINES,
-    CURKV,
-    CURKV_CACHE,
-    CURKV_UNIFORM,
-    FULL,
-    SCORER_METHODS,
-    build_methods,
-    check_methods,
-)
+from curkv_train.eval.methods import BASELINES, CURKV, CURKV_CACHE, CURKV_UNIFORM, FULL, SCORER_METHODS
+from curkv_train.eval.methods import build_methods, check_methods
 from curkv_train.eval.report import write_run
-from curkv_train.eval.scorer_entries import (
-    ScorerEntry,
-    build_scorers,
-    fresh_scorer,
-    load_trained,
-    parse_scorers,
-    scorer_base,
-    scorer_fallback,
-    with_spans,
-)
-from curkv_train.eval.stream_documents import STREAM_TASKS, load_stream_documents
+from curkv_train.eval.scorer_entries import ScorerEntry, build_scorers, fresh_scorer, load_trained, parse_scorers
+from curkv_train.eval.scorer_entries import scorer_base, scorer_fallback, with_spans
 from curkv_train.eval.stream_rows import StreamSettings, check_memory, memory_settings, select_rows, stream_methods
 from curkv_train.eval.streaming import evaluate_streaming
 from curkv_train.eval.tasks import SPAN_CUE, TASKS, DataRecipe, build_examples, check_tasks, load_streams
@@ -58,7 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Evaluate KV-cache compression methods; write results.json, results.md, plots/ and tensorboard/.
+    """Evaluate KV-cache compression methods; write results.json, results.md and plots/.
 
     Args:
         scorer: exported scorer folder (checkpoints/NAME, or the name of a shipped checkpoint), ``none``
@@ -92,7 +75,7 @@ class EvalConfig:
         kvpress_budget: ``kvpress:<name>`` rows: ``matched`` (as many tokens as every other row) or ``nominal``.
         kvpress_presses: comma-separated subset of kvpress's presses (streaming_llm, snapkv, tova, knorm,
             expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff,
-            lagkv, adakv, kvzip); default every one the installed kvpress provides. Prefill tasks only.
+            lagkv); default every one the installed kvpress provides. Prefill tasks only.
         dtype: base model dtype (float32, bfloat16, float16). In half precision the reference and the rows
             run different kernels (one forward vs batches or chunks) and round differently: ratio 0.0 shows that floor.
         backend: kernel backend of the runtime caches (curkv_cache and the streaming rows: auto, torch, triton).
@@ -148,93 +131,65 @@ class EvalConfig:
     scorer_precision: Literal["highest", "medium"] = "highest"
 
 
-@dataclass(frozen=True)
-class _Resolved:
-    """What a run resolves from its :class:`EvalConfig` before loading anything: tasks, scorers, spans, settings."""
-
-    prefill_tasks: list[str]
-    streaming_tasks: list[str]
-    entries: list[ScorerEntry]
-    trained: dict[str, Scorer]
-    base: str
-    fallback: str | None
-    settings: EvalSettings
-    methods: list[str]
-    passkey_lengths: list[int]
-    stream: StreamSettings | None
-
-    @property
-    def main(self) -> ScorerEntry | None:
-        """The main scorer's entry (the first), or None without a scorer."""
-        return self.entries[0] if self.entries else None
-
-
-def resolve(config: EvalConfig) -> _Resolved:
-    """Everything :func:`run_eval` checks before loading the model: one-line CurKVErrors for bad options."""
-    task_names = check_tasks(list(config.tasks), valid=ALL_TASKS)
-    prefill_tasks = [task for task in task_names if task in TASKS]
+def run_eval(config: EvalConfig) -> Path:
+    """Run the evaluation ``config`` describes; returns the run folder (results.json, results.md, plots/)."""
+    tasks = check_tasks(list(config.tasks), valid=ALL_TASKS)
+    prefill_tasks, streaming_tasks = [task for task in tasks if task in TASKS], [t for t in tasks if t in STREAM_TASKS]
     entries = parse_scorers(config.scorer)
+    main = entries[0] if entries else None
     trained = load_trained(entries)
-    base, fallback = _resolve_base(config.scorer, config.base, trained, entries[0] if entries else None)
-    main_trained = trained.get(entries[0].method) if entries else None
-    n_sink = config.n_sink if config.n_sink is not None else (main_trained.n_sink if main_trained else 4)
-    window = config.window if config.window is not None else (main_trained.window if main_trained else 64)
+    base, fallback = _resolve_base(config.scorer, config.base, trained, main)
+    settings = _settings(config, trained.get(main.method) if main else None)
     names = list(config.methods) if config.methods else [FULL, *BASELINES, *(SCORER_METHODS if entries else [])]
-    methods = check_methods(names, bool(entries))
-    settings = EvalSettings(list(config.ratios), n_sink=n_sink, window=window, seed=config.seed,
-                            backend=config.backend, kvpress=config.kvpress, kvpress_budget=config.kvpress_budget,
-                            kvpress_presses=list(config.kvpress_presses) if config.kvpress_presses else None,
-                            max_batch=config.batch)
-    lengths = (list(config.passkey_lengths) if config.passkey_lengths
-               else _default_passkey_lengths(config.context_length, settings))
+    names = check_methods(names, bool(entries))
+    lengths = list(config.passkey_lengths or _default_passkey_lengths(config.context_length, settings))
     if prefill_tasks:
         _check_shapes(settings, config, lengths, prefill_tasks)
-    streaming_tasks = [task for task in task_names if task in STREAM_TASKS]
-    return _Resolved(prefill_tasks, streaming_tasks, entries, trained, base, fallback, settings, methods, lengths,
-                     _stream_settings(config) if streaming_tasks else None)
+    stream = _stream_settings(config) if streaming_tasks else None
 
-
-def run_eval(config: EvalConfig) -> Path:
-    """Run the evaluation ``config`` describes; returns the run folder (results.json, results.md, plots/, tensorboard/)."""
-    run = resolve(config)
-    settings, main = run.settings, run.main
-    model = load_base_model(run.base, fallback=run.fallback, dtype=DTYPES[config.dtype])
-    tokenizer = load_tokenizer(run.base, fallback=run.fallback)
+    model = load_base_model(base, fallback=fallback, dtype=DTYPES[config.dtype])
+    tokenizer = load_tokenizer(base, fallback=fallback)
     spans = (settings.n_sink, settings.window)  # every row protects the same
-    scorers = build_scorers(run.entries, run.trained, model, run.base, spans=spans,
-                            matmul_precision=config.scorer_precision)
+    scorers = build_scorers(entries, trained, model, base, spans=spans, matmul_precision=config.scorer_precision)
     for loaded in scorers.values():
         check_scorer_fits(loaded, model)
     budget = main_budget(scorers[main.method] if main else None) if config.budget_baselines else None
-    rows, skipped = (_stream_rows(model, scorers, main, run.base, run.stream, config, spans) if run.stream
-                     else ([], {}))
-    recipe = DataRecipe.of_scorers([loaded.metadata for loaded in run.trained.values()])
+    rows, skipped = _stream_rows(model, scorers, main, base, stream, config, spans) if stream else ([], {})
+    recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
     training = training_hashes(tokenizer, list(recipe.sources))
     progress = lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True)
-    streams = load_streams(tokenizer, run.prefill_tasks, recipe, training) if run.prefill_tasks else {}
+    streams = load_streams(tokenizer, prefill_tasks, recipe, training) if prefill_tasks else {}
     task_examples = {task: build_examples(task, tokenizer, streams, context_length=config.context_length,
                                           continuation_length=config.continuation_length, examples=config.examples,
                                           seed=config.seed, protected=spans, passkey_depths=list(config.passkey_depths),
-                                          passkey_lengths=run.passkey_lengths)
-                     for task in run.prefill_tasks}
-    presses, cache_methods, ours, not_baselines = _prefill_methods(run.methods, run.entries, scorers, main, spans,
-                                                                   budget)
-    results = evaluate(model, task_examples, presses, settings, progress=progress, tokenizer=tokenizer,
-                       cache_methods=cache_methods, ours=ours, not_baselines=not_baselines)
-    if run.stream is not None:
-        sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in run.streaming_tasks}
-        documents = load_stream_documents(tokenizer, run.streaming_tasks, sources, training[0],
+                                          passkey_lengths=lengths)
+                     for task in prefill_tasks}
+    presses, cache_methods, ours, not_baselines = _prefill_methods(names, entries, scorers, main, spans, budget)
+    results = evaluate(model, task_examples, presses, settings, progress=progress, cache_methods=cache_methods,
+                       ours=ours, not_baselines=not_baselines)
+    if stream is not None:
+        sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in streaming_tasks}
+        documents = load_stream_documents(tokenizer, streaming_tasks, sources, training[0],
                                           length=config.stream_length, count=config.stream_documents)
-        results["streaming"] = evaluate_streaming(model, documents, rows, run.stream, skipped, progress=progress,
+        results["streaming"] = evaluate_streaming(model, documents, rows, stream, skipped, progress=progress,
                                                   main=main.method if main else None)
         results["streaming"]["length"] = config.stream_length
-    resolved = {"scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in run.entries},
-                "base": run.base, "tasks": [*run.prefill_tasks, *run.streaming_tasks],
-                "methods": [*presses, *cache_methods], "n_sink": settings.n_sink, "window": settings.window,
-                "passkey_lengths": run.passkey_lengths, "kvpress_presses": settings.kvpress_presses,
+    resolved = {"scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
+                "base": base, "tasks": tasks, "methods": [*presses, *cache_methods], "n_sink": settings.n_sink,
+                "window": settings.window, "passkey_lengths": lengths, "kvpress_presses": settings.kvpress_presses,
                 "data": {"recipe": recipe.origin, "sources": recipe.record(),
                          "streams": {name: held.record() for name, held in streams.items()}}}
-    return write_run(config.out, results, _run_record(config, resolved, run.stream is not None))
+    return write_run(config.out, results, _run_record(config, resolved, stream is not None))
+
+
+def _settings(config: EvalConfig, main: Scorer | None) -> EvalSettings:
+    """The prefill tasks' settings; the spans default to the main scorer's (else 4 sinks, a window of 64)."""
+    n_sink = config.n_sink if config.n_sink is not None else (main.n_sink if main else 4)
+    window = config.window if config.window is not None else (main.window if main else 64)
+    return EvalSettings(list(config.ratios), n_sink=n_sink, window=window, seed=config.seed, backend=config.backend,
+                        kvpress=config.kvpress, kvpress_budget=config.kvpress_budget,
+                        kvpress_presses=list(config.kvpress_presses) if config.kvpress_presses else None,
+                        max_batch=config.batch)
 
 
 def _resolve_base(scorer: str, base: str | None, trained: dict, main: ScorerEntry | None) -> tuple[str, object]:

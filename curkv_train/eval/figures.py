@@ -1,9 +1,13 @@
-"""What the two report modules share: number checks and formatting, and a finished figure as PNG bytes."""
+"""What the two report modules share: number checks and formatting, row order, method tables, error-bar plots."""
 
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
+
+FULL = "full"
+PRESS_PREFIX = "kvpress:"
 
 
 def finite(value) -> bool:
@@ -16,13 +20,42 @@ def signed(value: float) -> str:
     return f"{value:+.3g}"
 
 
-def figure_png(figure, axes, *, xlabel: str, ylabel: str, title: str) -> bytes:
-    """Label, grid and legend ``axes``, then the PNG bytes of ``figure`` (100 dpi); the figure is closed."""
+def ordered_methods(rows: list[dict]) -> list[str]:
+    """The rows' method names: ``full`` first, kvpress's presses as shipped (``kvpress:...``) last, else as they come."""
+    names = list(dict.fromkeys(row["method"] for row in rows))
+    return sorted(names, key=lambda name: (name != FULL, name.startswith(PRESS_PREFIX), names.index(name)))
+
+
+def method_table(methods: list[str], columns: list[str], cell: Callable[[str, str], str]) -> list[str]:
+    """Markdown lines of a method × column table, ``cell(method, column)`` in each cell; rows of "–" only left out."""
+    lines = ["| method | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for method in methods:
+        cells = [cell(method, column) for column in columns]
+        if any(text != "–" for text in cells):
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def errorbar_png(series: dict[str, list[tuple[float, float, list | None]]], *, xlabel: str, ylabel: str, title: str,
+                 reference: float | None = None) -> bytes:
+    """PNG bytes (100 dpi) of a line per method through its (x, y, [low, high] or None) points, with error bars;
+    kvpress's presses dotted; ``reference``: a dashed horizontal line labelled ``full``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel)
-    axes.set_title(title)
+    figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    if finite(reference):
+        axes.axhline(reference, color="black", linestyle="--", linewidth=1, label=FULL)
+    for method, points in series.items():
+        points = sorted((point for point in points if finite(point[1])), key=lambda point: point[0])
+        if points:
+            bars = [[max(0.0, y - b[0]), max(0.0, b[1] - y)] if b and all(map(finite, b)) else [0.0, 0.0]
+                    for _, y, b in points]
+            axes.errorbar([x for x, _, _ in points], [y for _, y, _ in points], yerr=list(zip(*bars)),
+                          fmt=":" if method.startswith(PRESS_PREFIX) else "-", marker="o", capsize=2, label=method)
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()

@@ -1,15 +1,11 @@
 """The evaluation loop: every (method, ratio) of every example through the same path.
 
-Per example: prefill the context and run the continuation on the full cache (the
-reference); then for each compression ratio, every compressing row prefills the context
-under its kvpress press (:mod:`curkv_train.eval.methods`) and continues from the cache the
-press left, caches of equal lengths in one batch. A press that masks keys instead of
-dropping them continues right after its own prefill, while its masks are on the model,
-and the masks are cleared before anything else runs. ``curkv_cache`` rows run a trained
-scorer through the runtime CurKVCache at its defaults: the context prefilled into the cache
-at the ratio's keep ratio, then the continuation fed a window at a time through the same
-cache, which keeps compressing as at run time (fed a window at a time, it compresses
-exactly when token-by-token generation would)."""
+Per example: prefill the context and run the continuation on the full cache (the reference);
+then for each compression ratio every compressing row prefills the context under its kvpress
+press (:mod:`curkv_train.eval.methods`) and continues from the cache the press left, caches of
+equal lengths in one batch. ``curkv_cache`` rows run a trained scorer through the runtime
+CurKVCache at its defaults: the context prefilled into the cache at the ratio's keep ratio, then
+the continuation fed a window at a time (so it compresses when token-by-token generation would)."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from curkv_train.core.shapes import kv_shape
 from curkv_train.core.errors import CurKVError
 from curkv_train.eval.clock import clock
 from curkv_train.eval import kvpress_bridge
@@ -31,6 +26,7 @@ from curkv_train.eval.kvpress_bridge import PressMethod
 from curkv_train.eval.methods import CURKV, FULL
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.cache_config import ComputeConfig
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.eval.metrics import ExampleSums, continuation_sums
 from curkv_train.eval.statistics import Bootstrap, summarize
@@ -114,7 +110,7 @@ def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: to
     continuation is fed ``window`` tokens at a time through the same cache, which compresses again
     whenever a window has piled up, as during generation.
     """
-    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, backend=backend)
+    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, compute=ComputeConfig(backend=backend))
     prefill_cache(model, cache, context_ids)
     budget = {"kept_tokens": held_tokens(cache), "context_tokens": float(context_ids.shape[1]),
               "kv_bytes": float(held_bytes(cache))}
@@ -126,17 +122,12 @@ def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: to
 
 @torch.no_grad()
 def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, PressMethod | None],
-                     settings: EvalSettings, seed: int, tokenizer=None,
+                     settings: EvalSettings, seed: int,
                      cache_methods: dict[str, Scorer] | None = None) -> list[tuple[str, float, dict[str, float]]]:
-    """(method, ratio, sums) for every method and ratio on one example.
-
-    The full cache is the reference of every KL and perplexity increase, so its row
-    (``full``, at ratio 0) is always there. ``tokenizer`` is read by kvpress's KVzip only.
-    ``cache_methods`` (method name -> scorer) run through the runtime CurKVCache
-    (:func:`runtime_cache_logits`).
-    """
-    device = next(model.parameters()).device
-    ids = example.input_ids.to(device)
+    """(method, ratio, sums) for every method and ratio on one example; the full cache (row ``full`` at ratio 0) is
+    the reference of every KL and perplexity increase. ``cache_methods`` (method name -> scorer) run through the
+    runtime CurKVCache (:func:`runtime_cache_logits`)."""
+    ids = example.input_ids.to(next(model.parameters()).device)
     length = example.context_length
     context_ids, continuation_ids = ids[:, :length], ids[:, length:]
     full_cache = DynamicCache(config=model.config)
@@ -149,10 +140,14 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
         return continuation_sums(logits, reference, continuation_ids, example.answer)
 
     rows = [(FULL, 0.0, {**measure(reference), **full_budget})]
-    pressed = {name: method for name, method in methods.items() if method is not None}
     for ratio in settings.ratios:
-        entries = [_press_entry(model, name, method, context_ids, continuation_ids, ratio, settings, seed, tokenizer,
-                                measure) for name, method in pressed.items()]
+        entries = []
+        for name, method in methods.items():
+            if method is not None:
+                press = method.press(length, ratio, seed, n_sink=settings.n_sink, window=settings.window,
+                                     budget=settings.kvpress_budget)
+                cache, seconds = kvpress_bridge.press_cache(model, method.spec, press, context_ids, seed)
+                entries.append(_Entry(name, cache, {**_budget(cache, length), "prefill_seconds": seconds}))
         for name, scorer in (cache_methods or {}).items():
             logits, budget = runtime_cache_logits(model, scorer, context_ids, continuation_ids, 1.0 - ratio,
                                                   settings.backend)
@@ -166,33 +161,9 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
     return rows
 
 
-def _press_entry(model: PreTrainedModel, name: str, method: PressMethod, context_ids: torch.Tensor,
-                 continuation_ids: torch.Tensor, ratio: float, settings: EvalSettings, seed: int, tokenizer,
-                 measure: Callable[[torch.Tensor], dict[str, float]]) -> _Entry:
-    """Row ``name`` at compression ``ratio``: the context prefilled under its press (KVzip: its reconstruction too).
-
-    A press that drops keys leaves its cache for the batched continuation; a masked press is
-    continued (and measured) at once, while its masks are on the model, which are then cleared.
-    """
-    length = context_ids.shape[1]
-    shape = kv_shape(model.config)
-    press = method.press(length, ratio, seed, n_sink=settings.n_sink, window=settings.window,
-                         budget=settings.kvpress_budget, pooled_heads=shape.num_layers * shape.num_kv_heads)
-    pressed = kvpress_bridge.press_cache(model, method.spec, press, context_ids, seed, tokenizer=tokenizer)
-    budget = {"kept_tokens": pressed.kept_tokens, "context_tokens": float(length),
-              "kv_bytes": float(cache_bytes(pressed.cache)), "prefill_seconds": pressed.prefill_seconds}
-    entry = _Entry(name, pressed.cache, budget)
-    if pressed.masked:
-        with kvpress_bridge.masks_cleared(model):
-            entry.sums = measure(kvpress_bridge.masked_continuation_logits(model, pressed.cache, continuation_ids,
-                                                                           length))
-        entry.cache = None
-    return entry
-
-
 def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
              methods: dict[str, PressMethod | None], settings: EvalSettings,
-             progress: Callable[[str], None] | None = None, tokenizer=None,
+             progress: Callable[[str], None] | None = None,
              cache_methods: dict[str, Scorer] | None = None, ours: str = CURKV,
              not_baselines: tuple[str, ...] = ()) -> dict:
     """Run every method on every example and aggregate.
@@ -202,20 +173,17 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
         methods: method name -> its press (``full`` -> None; :func:`curkv_train.eval.methods.build_methods`);
             with ``settings.kvpress``, the ``kvpress:<name>`` rows are added.
         progress: called with one line per finished example.
-        tokenizer: the base model's tokenizer (kvpress's KVzip reads it).
         cache_methods: method name -> trained scorer run through the runtime CurKVCache (``curkv_cache``).
         ours: the method the summary's verdict is about (the main scorer's bare selection).
-        not_baselines: further methods that are not baselines (other scorers, runtime-cache rows); multi-pass
-            kvpress presses (KVzip) are never baselines either.
+        not_baselines: further methods that are not baselines (other scorers, runtime-cache rows).
 
     Returns:
         {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums" and, for
         perplexity tasks, "example_groups": each example's document, the bootstrap's unit}]
         (:mod:`curkv_train.eval.aggregate`), "summary": ``ours`` against the best baseline per task and
         ratio (:func:`curkv_train.eval.statistics.summarize`), "main_metric": {task: metric},
-        "seconds_per_example": {task: float}, "bootstrap": its settings, "masked_methods": the
-        kvpress rows whose memory was not freed, "documents": per perplexity task, the held-out
-        documents each example came from}.
+        "seconds_per_example": {task: float}, "bootstrap": its settings, "documents": per perplexity task, the
+        held-out documents each example came from}.
     """
     for task, task_examples in examples.items():
         for example in task_examples:
@@ -233,8 +201,7 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
         for index, example in enumerate(task_examples):
             tick = time.perf_counter()
             for method, ratio, sums in evaluate_example(model, example, methods, settings,
-                                                        settings.seed * 1_000_003 + number, tokenizer,
-                                                        cache_methods):
+                                                        settings.seed * 1_000_003 + number, cache_methods):
                 log.add(method, ratio, task, sums)
             number += 1
             if progress is not None:
@@ -248,13 +215,9 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
               if all(example.group for example in task_examples) else None
               for task, task_examples in examples.items()}
     rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL, groups)
-    multi_pass = kvpress_bridge.multi_pass_methods(settings.kvpress_presses) if settings.kvpress else []
-    summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL,
-                        exclude=(*not_baselines, *multi_pass))
-    masked = [kvpress_bridge.PREFIX + name for name in kvpress_bridge.masked_presses()] if settings.kvpress else []
+    summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL, exclude=not_baselines)
     return {"rows": rows, "summary": summary, "main_metric": main_metric, "seconds_per_example": seconds,
             "bootstrap": settings.bootstrap.record(),
-            "masked_methods": [name for name in masked if any(row["method"] == name for row in rows)],
             "documents": {task: [list(example.documents) for example in task_examples]
                           for task, task_examples in examples.items()
                           if any(example.documents for example in task_examples)}}

@@ -1,18 +1,13 @@
 """Held-out evaluation text: a validation split with every span the training split holds cut out.
 
-Documents go to train or validation by a hash of their id, but documents of one corpus can
-quote each other: pydoc topics nest (``compound`` holds the text of ``if``, ``while``, ``try``
-...), codec modules of the standard library repeat the same tables. So a validation document
-is cut at every :data:`SPAN`-token span that also occurs in the training split of any document
-source of the recipe (a rolling hash over token ids); the remaining pieces, joined by EOS like
-documents, are the evaluation text.
-
-Besides the recipe's own sources, the evaluation reads :data:`PYTHON_TEXT` (``python_text``):
-long English prose files CPython ships next to its standard library (IDLE's news, history and
-notes, the licence), which no training source reads (``stdlib`` takes only ``.py`` files and
-skips ``idlelib``; ``pydoc`` is the reference topics). Every one of them is held out; the spans
-the training split shares are cut all the same.
-"""
+Documents go to train or validation by a hash of their id, but documents of one corpus quote
+each other (pydoc topics nest, codec modules repeat tables), so a validation document is cut
+at every :data:`SPAN`-token span that also occurs in the training split of any source of the
+recipe (a rolling hash over token ids); the pieces left, joined by EOS, are the evaluation text.
+Besides the recipe's sources, :data:`PYTHON_TEXT` reads the long prose files CPython ships next
+to its standard library (IDLE's news, history and notes, the licence), which no training source
+reads; their spans the training split shares are cut all the same. The streaming task cuts its
+long documents from the held-out ones (:func:`stream_documents`)."""
 
 from __future__ import annotations
 
@@ -22,9 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from curkv_train.core.errors import CurKVError, EmptySplitError
 from curkv_train.training.data.corpora import documents, split_of
-from curkv_train.core.errors import CurKVError
 
 SPAN = 50
 PYTHON_TEXT = "python_text"
@@ -72,14 +68,9 @@ def span_hashes(ids: np.ndarray, span: int = SPAN) -> np.ndarray:
 
 
 def training_hashes(tokenizer, sources: list[DocumentSource], span: int = SPAN) -> tuple[np.ndarray, list[str]]:
-    """Sorted span hashes of the training split of every source, and the sources that could not be read.
-
-    A hub source that cannot be reached here, or a files source whose path is not on this
-    machine, is reported, not fatal: the evaluation text is local (stdlib, pydoc) and the
-    caller records what went unchecked.
-    """
+    """Sorted span hashes of the training split of every source, and the sources that could not be read (a hub
+    source offline or a files path not here: reported, not fatal, as the evaluation text is local)."""
     from curkv_train.training.data.tokenized import token_stream
-    from curkv_train.core.errors import EmptySplitError
 
     parts, unchecked = [], []
     for source in dict.fromkeys(sources):
@@ -265,3 +256,56 @@ def join_texts(parts: list[HeldOutText]) -> HeldOutText:
                        sum(part.pieces for part in parts), sum(part.validation_tokens for part in parts),
                        sum(part.removed_tokens for part in parts), unchecked, np.concatenate(owners), names,
                        [part.record() for part in parts])
+
+
+# streaming task -> the document source kind it reads
+STREAM_TASKS = {"stream_text": PYTHON_TEXT, "stream_code": "stdlib"}
+
+
+@dataclass(frozen=True)
+class StreamDocument:
+    """One document of the streaming task: its ``task``, ``input_ids`` (1, tokens) and the ids of the held-out
+    documents its tokens came from (``sources``, in order)."""
+
+    task: str
+    input_ids: torch.Tensor
+    sources: tuple[str, ...]
+
+
+def stream_documents(task: str, held_out: list[HeldOutDocument], *, length: int, count: int) -> list[StreamDocument]:
+    """Up to ``count`` documents of ``length`` tokens from as many different files as there are.
+
+    First the blocks single held-out documents hold, one per document (longest first), then each one's
+    second block, and so on; then the rest (short documents and long ones' tails, longest first) joined
+    and cut into blocks. A CurKVError when all of them hold fewer than ``length`` tokens.
+    """
+    ordered = sorted((doc for doc in held_out if len(doc.tokens)), key=lambda doc: (-len(doc.tokens), doc.id))
+    if sum(len(doc.tokens) for doc in ordered) < length:
+        raise CurKVError(f"{task}: the held-out documents hold {sum(len(doc.tokens) for doc in ordered)} tokens, "
+                         f"fewer than one streamed document of {length}; lower --stream_length")
+    whole = sorted((depth, order) for order, doc in enumerate(ordered) for depth in range(len(doc.tokens) // length))
+    built = [StreamDocument(task, _block(ordered[order].tokens, depth * length, length), (ordered[order].id,))
+             for depth, order in whole[:count]]
+    rests = sorted(((doc.id, doc.tokens[len(doc.tokens) // length * length :]) for doc in ordered),
+                   key=lambda rest: (-len(rest[1]), rest[0]))
+    rests = [(name, tokens) for name, tokens in rests if len(tokens)]
+    if len(built) < count and rests:
+        tokens = np.concatenate([rest for _, rest in rests])
+        owners = np.concatenate([np.full(len(rest), index) for index, (_, rest) in enumerate(rests)])
+        for start in range(0, min(count - len(built), len(tokens) // length) * length, length):
+            sources = tuple(rests[index][0] for index in dict.fromkeys(owners[start : start + length].tolist()))
+            built.append(StreamDocument(task, _block(tokens, start, length), sources))
+    return built
+
+
+def _block(tokens: np.ndarray, start: int, length: int) -> torch.Tensor:
+    """(1, length) tokens[start : start + length]."""
+    return torch.from_numpy(tokens[start : start + length].copy())[None]
+
+
+def load_stream_documents(tokenizer, tasks: list[str], sources: dict[str, DocumentSource], seen: np.ndarray, *,
+                          length: int, count: int) -> dict[str, list[StreamDocument]]:
+    """The documents of every streaming task (``sources``: the source each reads; ``seen``: the training split's
+    span hashes, cut out)."""
+    return {task: stream_documents(task, held_out_documents(tokenizer, sources[task], seen), length=length,
+                                   count=count) for task in tasks}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torchmetrics.aggregation import CatMetric
 
 # Sums accumulated per (method, ratio, task[, tag]) over examples.
 SUM_KEYS = ("examples", "tokens", "nll", "kl", "answer_tokens", "answer_hits", "answer_nll", "answer_exact",
@@ -73,36 +72,24 @@ def continuation_sums(logits: torch.Tensor, reference_logits: torch.Tensor, cont
 
 
 class ExampleSums:
-    """Every example's sums per (method, ratio, task), in example order (torchmetrics ``CatMetric`` cells).
-
-    Keys missing from an example's sums (answer keys of perplexity tasks) are stored as 0,
-    as :func:`finalize` reads them; :meth:`sums` returns only the keys some example had.
-    """
+    """Every example's sums per (method, ratio, task), in example order; a key an example lacks (the answer keys
+    of perplexity tasks) counts 0 for it, and :meth:`sums` returns only the keys some example had."""
 
     def __init__(self) -> None:
-        self.cells: dict[tuple[str, float, str], CatMetric] = {}
-        self.keys: dict[tuple[str, float, str], set[str]] = {}
+        self.cells: dict[tuple[str, float, str], list[dict[str, float]]] = {}
 
     def add(self, method: str, ratio: float, task: str, sums: dict[str, float]) -> None:
         """Append one example's ``sums`` to cell (method, ratio, task)."""
         unknown = set(sums) - set(SUM_KEYS)
         if unknown:
             raise ValueError(f"unknown sum keys {sorted(unknown)}; expected a subset of {SUM_KEYS}")
-        key = (method, ratio, task)
-        if key not in self.cells:
-            self.cells[key] = CatMetric(nan_strategy="disable")
-            self.cells[key].set_dtype(torch.float64)
-        row = torch.tensor([[float(sums.get(name, 0.0)) for name in SUM_KEYS]], dtype=torch.float64)
-        self.cells[key].update(row)
-        self.keys.setdefault(key, set()).update(sums)
+        self.cells.setdefault((method, ratio, task), []).append(dict(sums))
 
     def sums(self, method: str, ratio: float, task: str) -> dict[str, np.ndarray]:
         """Key -> (examples,) float64 per-example sums of the cell (empty if it has none)."""
-        key = (method, ratio, task)
-        if key not in self.cells:
-            return {}
-        table = self.cells[key].compute().reshape(-1, len(SUM_KEYS)).numpy()
-        return {name: table[:, column] for column, name in enumerate(SUM_KEYS) if name in self.keys[key]}
+        examples = self.cells.get((method, ratio, task), [])
+        keys = [key for key in SUM_KEYS if any(key in example for example in examples)]
+        return {key: np.array([example.get(key, 0.0) for example in examples], dtype=np.float64) for key in keys}
 
 
 def total(sums: dict[str, np.ndarray], weights: np.ndarray | None = None) -> dict:

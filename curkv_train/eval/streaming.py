@@ -1,40 +1,28 @@
 """The streaming task: long held-out documents fed through a cache as generation would see them.
 
 Each document (``stream_text``: CPython's long prose files no training source reads;
-``stream_code``: the longest held-out standard-library files of the validation split, spans
-shared with the training split cut out) is prefilled for its first ``prefix`` tokens, then fed
-``chunk`` tokens at a time (1 = token by token), the cache re-compressing as it does at run
-time. The measure is the perplexity (mean NLL per token) over every token after the prefix,
-against the full cache's on the same tokens.
+``stream_code``: the longest held-out standard-library files) is prefilled for its first
+``prefix`` tokens, then fed ``chunk`` tokens at a time, the cache re-compressing as at run time;
+the measure is the perplexity over every token after the prefix, against the full cache's.
+Every compressing row runs at the same memory setting: a compression ratio (the runtime
+cache's keep ratio 1 − ratio) or a fixed budget (``max_tokens`` per (layer, KV head) or
+``max_bytes`` for the whole cache). The rows (:func:`~curkv_train.eval.stream_rows.stream_methods`):
 
-Every compressing method runs at the same memory setting: a compression ratio (keep
-ratio 1 − ratio, the runtime cache's ``keep_ratio``) or a fixed budget (``max_tokens`` per
-(layer, KV head), or ``max_bytes`` for the whole cache, with keep ratio 1.0). The methods:
-
-- ``full``: transformers' DynamicCache, nothing dropped;
-- ``streaming_llm``: sinks + the most recent tokens (a :class:`RecencyCache` without tiers,
-  observation or layer budget: as many tokens held as ``curkv`` on average over layers, fewer bytes);
-- ``curkv``: CurKVCache with the trained scorer at the runtime defaults (dense tiers only, half
-  the kept places to the newest tokens, the scorer's calibrated layer budget if it has one);
-- ``curkv_uniform``: the same with one keep ratio for every layer (``layer_budget="uniform"``);
-- ``curkv_score_only``: the same with every kept place given by the score (``recent_share=0``);
-- ``curkv_cold``: + the opt-in cold CUR tier, without residual compensation;
-- ``curkv_compensated``: + the cold tier with residual compensation;
-- ``recency``: ``curkv``'s cache with score = position: the same tiers, selection, layer budget
-  and bytes, the newest tokens kept instead of the best-scored ones (the learned choice against
-  recency at equal bytes);
+- ``full``: a DynamicCache, nothing dropped;
+- ``streaming_llm``: sinks + the newest tokens (a :class:`RecencyCache` without observation or
+  layer budget: ``curkv``'s token count on average over layers, fewer bytes);
+- ``curkv``: CurKVCache with the trained scorer at the runtime defaults (its calibrated layer
+  budget if any); ``curkv_uniform`` one keep ratio for every layer; ``curkv_score_only`` every
+  kept place by score (``recent_share=0``); ``curkv_cold`` / ``curkv_compensated`` + the cold CUR
+  tier without / with residual compensation;
+- ``recency``: ``curkv``'s cache with score = position (same tiers, selection, budget and bytes);
 - every further scorer of ``--scorer`` at the runtime defaults (``curkv:LABEL``);
-- with ``--kvpress``, kvpress's DecodingPress over a ScorerPress (``kvpress:decoding/NAME``):
-  the prefill compressed by the press, then every ``window`` tokens to the tokens
-  ``streaming_llm`` holds at that point.
+- with ``--kvpress``, kvpress's DecodingPress over a ScorerPress (``kvpress:decoding/NAME``),
+  compressing every ``window`` tokens to the tokens ``streaming_llm`` holds then.
 
-Bytes held are :meth:`CurKVCache.nbytes` (every tier, positions, observation) or the K/V
-tensors of a DynamicCache, measured after every step; rows report their mean over the steps
-and their value at the end. Intervals resample held-out files (paired across methods), each
-file's ``segment``-token stretches of scored tokens drawn together, over every streamed document cut
-from it (a long file gives several): stretches of one file are not independent. ``segment`` sets the
-rows' per-segment records only.
-"""
+Bytes held are :meth:`CurKVCache.nbytes` or a DynamicCache's K/V tensors, measured after every
+step (rows report their mean and their end value). Intervals resample held-out files, each
+file's ``segment``-token stretches of scored tokens drawn together."""
 
 from __future__ import annotations
 
@@ -50,7 +38,7 @@ from curkv_train.eval.aggregate import result_row
 from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
 from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.statistics import Bootstrap, paired_difference, verdict
-from curkv_train.eval.stream_documents import StreamDocument
+from curkv_train.eval.heldout import StreamDocument
 from curkv_train.eval.stream_rows import (
     CURKV,
     FULL,

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-
-from curkv_train.eval.figures import figure_png, finite, signed
-from curkv_train.eval.stream_rows import FULL, PRESS_PREFIX
+from curkv_train.eval.figures import errorbar_png, finite, method_table, ordered_methods, signed
+from curkv_train.eval.stream_rows import FULL
 
 MAIN = "ppl_increase_pct"
 
 
-def _with_interval(value, interval, digits: str = ".3g") -> str:
+def _with_interval(row: dict | None, name: str, digits: str = ".3g") -> str:
+    """``value [low, high]`` of metric ``name`` of ``row``, "–" without one."""
+    value, interval = (row["metrics"].get(name), row["intervals"].get(name)) if row else (None, None)
     if not finite(value):
         return "–"
     text = f"{value:{digits}}"
@@ -18,28 +19,12 @@ def _with_interval(value, interval, digits: str = ".3g") -> str:
     return text
 
 
-def _bytes_cell(metrics: dict) -> str:
+def _bytes_cell(row: dict | None) -> str:
     """``mean % (end %); tokens held at the end``."""
-    return (f"{metrics['kv_bytes_pct']:.1f} ({metrics['kv_bytes_end_pct']:.1f}); "
-            f"{metrics['kept_tokens_end']:.0f}")
-
-
-def _methods(rows: list[dict]) -> list[str]:
-    names = list(dict.fromkeys(row["method"] for row in rows))
-    return sorted(names, key=lambda name: (name != FULL, name.startswith(PRESS_PREFIX), names.index(name)))
-
-
-def _settings(streaming: dict) -> list[str]:
-    return [setting["label"] for setting in streaming.get("settings", [])]
-
-
-def _table(rows: dict, methods: list[str], settings: list[str], task: str, cell) -> list[str]:
-    lines = ["| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
-    for method in methods:
-        cells = [cell(rows.get((method, FULL if method == FULL else setting, task))) for setting in settings]
-        if any(text != "–" for text in cells):
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    if not row:
+        return "–"
+    metrics = row["metrics"]
+    return f"{metrics['kv_bytes_pct']:.1f} ({metrics['kv_bytes_end_pct']:.1f}); {metrics['kept_tokens_end']:.0f}"
 
 
 def _summary(streaming: dict) -> list[str]:
@@ -65,7 +50,7 @@ def _summary(streaming: dict) -> list[str]:
 def streaming_markdown(streaming: dict) -> list[str]:
     """Markdown lines of the streaming section."""
     rows = {(row["method"], row["setting"], row["task"]): row for row in streaming.get("rows", [])}
-    methods, settings = _methods(streaming.get("rows", [])), _settings(streaming)
+    methods, settings = ordered_methods(streaming.get("rows", [])), [s["label"] for s in streaming.get("settings", [])]
     bootstrap = streaming.get("bootstrap", {})
     lines = ["## Streaming", "",
              f"Long held-out documents of {streaming.get('length', '?')} tokens: the first {streaming['prefix']} "
@@ -87,21 +72,20 @@ def streaming_markdown(streaming: dict) -> list[str]:
     for method, reason in (streaming.get("skipped") or {}).items():
         lines += [f"`{method}` did not run: {reason}.", ""]
     for task, documents in streaming.get("documents", {}).items():
+        def row(method: str, setting: str, task: str = task) -> dict | None:
+            return rows.get((method, FULL if method == FULL else setting, task))
+
         lines += [f"### {task}", "", f"{len(documents)} documents: " + "; ".join(
             f"{number + 1}. {', '.join(f'`{source}`' for source in document['sources'])}"
             for number, document in enumerate(documents)) + ".", "",
             "**perplexity increase % vs full** (lower is better)", ""]
-        lines += _table(rows, methods, settings, task,
-                        lambda row: _with_interval(row["metrics"].get(MAIN), row["intervals"].get(MAIN))
-                        if row else "–")
+        lines += method_table(methods, settings, lambda method, setting: _with_interval(row(method, setting), MAIN))
         lines += ["**NLL per token** (nats)", ""]
-        lines += _table(rows, methods, settings, task,
-                        lambda row: _with_interval(row["metrics"].get("nll"), row["intervals"].get("nll"), ".4f")
-                        if row else "–")
+        lines += method_table(methods, settings, lambda method, setting: _with_interval(row(method, setting), "nll",
+                                                                                        ".4f"))
         lines += ["**bytes held, % of the full cache** (mean over steps (at the end); tokens held per (layer, KV "
                   "head) at the end)", ""]
-        lines += _table(rows, methods, settings, task,
-                        lambda row: _bytes_cell(row["metrics"]) if row else "–")
+        lines += method_table(methods, settings, lambda method, setting: _bytes_cell(row(method, setting)))
     seconds = streaming.get("seconds_per_document") or {}
     if seconds:
         lines += ["Wall time per document (every method and setting): "
@@ -112,27 +96,10 @@ def streaming_markdown(streaming: dict) -> list[str]:
 def streaming_pngs(streaming: dict) -> dict[str, bytes]:
     """PNG bytes by file name ``streaming__<task>.png``: perplexity increase against bytes held (mean, % of
     full), a line per method through its settings (error bars: the bootstrap intervals)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pngs = {}
-    all_rows = streaming.get("rows", [])
-    for task in dict.fromkeys(row["task"] for row in all_rows):
-        figure, axes = plt.subplots(figsize=(6.5, 4.5))
-        for method in _methods(all_rows):
-            points = sorted((row["metrics"]["kv_bytes_pct"], row["metrics"][MAIN], row["intervals"].get(MAIN))
-                            for row in all_rows if row["task"] == task and row["method"] == method
-                            and finite(row["metrics"].get(MAIN)) and finite(row["metrics"].get("kv_bytes_pct")))
-            if not points:
-                continue
-            errors = [[max(0.0, y - b[0]), max(0.0, b[1] - y)] if b and all(map(finite, b)) else [0.0, 0.0]
-                      for _, y, b in points]
-            axes.errorbar([x for x, _, _ in points], [y for _, y, _ in points],
-                          yerr=[[e[0] for e in errors], [e[1] for e in errors]],
-                          fmt=":" if method.startswith(PRESS_PREFIX) else "-", marker="o", capsize=2, label=method)
-        pngs[f"streaming__{task}.png"] = figure_png(
-            figure, axes, xlabel="bytes held, % of the full cache (mean over steps)",
-            ylabel="perplexity increase % vs full", title=f"{task}: quality vs memory")
-    return pngs
+    rows = streaming.get("rows", [])
+    return {f"streaming__{task}.png": errorbar_png(
+        {method: [(row["metrics"].get("kv_bytes_pct"), row["metrics"].get(MAIN), row["intervals"].get(MAIN))
+                  for row in rows if row["task"] == task and row["method"] == method
+                  and finite(row["metrics"].get("kv_bytes_pct"))] for method in ordered_methods(rows)},
+        xlabel="bytes held, % of the full cache (mean over steps)", ylabel="perplexity increase % vs full",
+        title=f"{task}: quality vs memory") for task in dict.fromkeys(row["task"] for row in rows)}

@@ -1,12 +1,9 @@
 """Evaluation tasks on held-out data: perplexity on text and code, passkey retrieval, repeated spans.
 
-Documents come from the validation split of the scorer's own recipe (its data sources'
-val_fraction; the split is a stable hash of the document id), with every span that also
-occurs in the recipe's training split cut out (:mod:`curkv_train.eval.heldout`); the text
-perplexity task also reads CPython's long prose files no training source reads
-(``python_text``). Synthetic examples are drawn from string-seeded generators, a stream of
-seeds that training (integer seeds) never uses, over the pydoc filler.
-"""
+Documents come from the validation split of the scorer's own recipe, every span its training
+split also holds cut out (:mod:`curkv_train.eval.heldout`); text perplexity also reads CPython's
+prose files no training source reads. Synthetic examples come from string-seeded generators (a
+stream of seeds training never uses) over the pydoc filler."""
 
 from __future__ import annotations
 
@@ -16,16 +13,9 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from curkv_train.training.data.synthetic import SYNTHETIC_TASKS, passkey, repeated_span
 from curkv_train.core.errors import CurKVError
-from curkv_train.eval.heldout import (
-    PYTHON_TEXT,
-    DocumentSource,
-    HeldOutText,
-    held_out_text,
-    join_texts,
-    training_hashes,
-)
+from curkv_train.eval.heldout import PYTHON_TEXT, DocumentSource, HeldOutText, held_out_text, join_texts, training_hashes
+from curkv_train.training.data.synthetic import SYNTHETIC_TASKS, passkey, repeated_span
 
 # task -> (metric kind for curkv_train.eval.metrics.finalize, token stream it reads)
 TASKS = {
@@ -57,9 +47,8 @@ class TaskExample:
         answer: [start, end) answer span in continuation coordinates, or None (whole continuation).
         tags: breakdown labels, e.g. {"depth": "0.5", "length": "1024"}.
         documents: ids of the held-out documents a perplexity example's tokens came from.
-        group: the bootstrap's resampling unit: for a perplexity example, the held-out document most of its
-            tokens came from (examples of one document are not independent, and examples beyond the stream's
-            disjoint blocks overlap others); "" for a synthetic example, a unit of its own.
+        group: the bootstrap's resampling unit: for a perplexity example the document most of its tokens came
+            from (examples of one document are not independent); "" for a synthetic example, a unit of its own.
     """
 
     task: str
@@ -104,8 +93,8 @@ class DataRecipe:
 
     @classmethod
     def of_scorers(cls, metadata: list[dict]) -> "DataRecipe":
-        """Every source of the recipes of several scorers (each evaluation text is held out from all of them); a
-        scorer without a recorded recipe counts as trained on the default sources, as it does alone."""
+        """Every source of several scorers' recipes (each evaluation text held out from all of them; a scorer
+        without a recorded recipe counts as trained on the default sources)."""
         recipes = [cls.of_scorer(entry) for entry in metadata]
         recorded = [recipe for recipe in recipes if recipe.origin != "default"]
         if not recorded:
@@ -116,12 +105,9 @@ class DataRecipe:
         return cls(sources, "scorer recipe" if len(recorded) == 1 else f"recipes of {len(recorded)} scorers")
 
     def source(self, kind: str) -> tuple[DocumentSource, str]:
-        """The source the evaluation reads for ``kind`` and where its split came from.
-
-        With several sources of one kind the smallest val_fraction wins: its validation
-        split is held out from all of them. A kind the recipe never trained on reads the
-        default split; ``python_text`` is held out whole.
-        """
+        """The source the evaluation reads for ``kind`` and where its split came from: of several sources of one
+        kind the smallest val_fraction (its validation split is held out from all); a kind the recipe never
+        trained on, the default split; ``python_text`` held out whole."""
         if kind == PYTHON_TEXT:
             return PYTHON_TEXT_SOURCE, NEVER_TRAINED
         mine = [source for source in self.sources if source.kind == kind]
@@ -151,13 +137,9 @@ def _document_source(entry: dict) -> DocumentSource:
 
 def load_streams(tokenizer, tasks: list[str], recipe: DataRecipe | None = None,
                  training: tuple[np.ndarray, list[str]] | None = None) -> dict[str, HeldOutText]:
-    """Held-out token streams the ``tasks`` read, every span seen in the recipe's training split cut out:
-    ``text`` (the recipe's pydoc validation split, then every python_text file), ``filler`` (the pydoc
-    split alone, the synthetic tasks' filler) and ``code`` (the stdlib validation split).
-
-    Args:
-        training: :func:`training_hashes` of the recipe's sources, if already computed.
-    """
+    """Held-out token streams the ``tasks`` read, every span of the recipe's training split cut out: ``text`` (the
+    pydoc validation split, then every python_text file), ``filler`` (the pydoc split, the synthetic tasks'
+    filler) and ``code`` (the stdlib validation split); ``training``: :func:`training_hashes`, if computed."""
     recipe = recipe or DataRecipe(DEFAULT_SOURCES, "default")
     needed = {TASKS[task][1] for task in tasks}
     seen, unchecked = training if training is not None else training_hashes(tokenizer, list(recipe.sources))
@@ -177,9 +159,8 @@ def _rng(seed: int, task: str, index: int) -> random.Random:
 
 
 def _block_starts(stream_length: int, length: int, examples: int, seed: int, task: str) -> list[int]:
-    """Start of each example's block of ``length`` tokens: disjoint blocks while the stream holds enough of
-    them, random offsets for the examples beyond that (overlapping others: the bootstrap resamples the examples
-    of one document together, :attr:`TaskExample.group`)."""
+    """Start of each example's block of ``length`` tokens: disjoint blocks while the stream holds enough, then
+    random offsets (overlapping others: the bootstrap draws one document's examples together)."""
     if stream_length < length:
         raise CurKVError(f"the held-out stream has {stream_length} tokens, fewer than one example of {length}; "
                          "lower --context_length / --continuation_length")
@@ -192,11 +173,8 @@ def _block_starts(stream_length: int, length: int, examples: int, seed: int, tas
 def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.ndarray], *, context_length: int,
                    continuation_length: int, examples: int, seed: int, protected: tuple[int, int],
                    passkey_depths: list[float], passkey_lengths: list[int]) -> list[TaskExample]:
-    """``examples`` examples of ``task``; passkey examples cycle over the (length, depth) grid.
-
-    Perplexity examples are disjoint blocks of the held-out stream as long as it holds
-    ``examples`` of them (:func:`_block_starts`), each grouped with the others of the document most of its
-    tokens came from (:attr:`TaskExample.group`).
+    """``examples`` examples of ``task``: perplexity examples blocks of the held-out stream (:func:`_block_starts`),
+    passkey examples cycling over the (length, depth) grid.
 
     Args:
         streams: token streams by name (see :func:`load_streams`), or their tokens.

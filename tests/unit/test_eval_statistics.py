@@ -53,7 +53,7 @@ def results_of(cells: dict[tuple[str, float, str], list[dict[str, float]]], boot
     rows = result_rows(log, tags, main, kinds, bootstrap, "full")
     summary = summarize(rows, main, kinds, bootstrap, ours="curkv", reference="full")
     return {"rows": rows, "summary": summary, "main_metric": main, "seconds_per_example": {},
-            "bootstrap": bootstrap.record(), "masked_methods": []}
+            "bootstrap": bootstrap.record()}
 
 
 @pytest.fixture(scope="module")
@@ -176,19 +176,17 @@ def test_report_shows_intervals_and_the_summary_first(noisy_nll):
     assert json.loads(results_json({**results, "rows": [nan_row]}, {}))["rows"][0]["metrics"]["ppl"] is None
 
 
-def test_report_names_masked_presses_and_prefill_cost_against_the_plain_prefill(noisy_nll):
+def test_report_gives_each_rows_prefill_cost_against_the_plain_prefill(noisy_nll):
     def timed(sums: list[dict[str, float]], seconds: list[float]) -> list[dict[str, float]]:
         return [{**example, "prefill_seconds": value} for example, value in zip(sums, seconds)]
 
     plain = [1.0] * (EXAMPLES - 1) + [50.0]  # one stalled example does not decide the ratio
     results = results_of({("full", 0.0, "ppl_text"): timed(ppl_sums(noisy_nll), plain),
-                          ("kvpress:kvzip", 0.5, "ppl_text"): timed(ppl_sums(noisy_nll + 0.1), [3.0] * EXAMPLES),
-                          ("kvpress:knorm", 0.5, "ppl_text"): timed(ppl_sums(noisy_nll + 0.2), [1.0] * EXAMPLES)})
-    results["masked_methods"] = ["kvpress:kvzip"]
+                          ("kvpress:compactor", 0.5, "ppl_text"): timed(ppl_sums(noisy_nll + 0.1), [3.0] * EXAMPLES),
+                          ("knorm", 0.5, "ppl_text"): timed(ppl_sums(noisy_nll + 0.2), [1.0] * EXAMPLES)})
     markdown = results_markdown(results, {"kvpress_budget": "matched"})
-    assert "the plain prefill 1 s; `kvpress:kvzip` 3 s (3.0×), `kvpress:knorm` 1 s (1.0×)" in markdown
-    assert "`kvpress:kvzip` mask evicted keys instead of dropping them" in markdown
-    assert "**prefill_seconds**" in markdown and "| kvpress:kvzip | 3 s |" in markdown
+    assert "the plain prefill 1 s; `kvpress:compactor` 3 s (3.0×), `knorm` 1 s (1.0×)" in markdown
+    assert "**prefill_seconds**" in markdown and "| kvpress:compactor | 3 s |" in markdown
 
 
 def test_grouped_weights_resample_whole_groups_and_ungrouped_ones_are_unchanged():

@@ -13,10 +13,15 @@ from runtime_helpers import family_scorer, random_scorer
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.eval.runtime_caches import RecencyCache, held_bytes, plain_cache
-from curkv_train.eval.heldout import PYTHON_TEXT, HeldOutDocument, python_text_documents
+from curkv_train.eval.heldout import (
+    PYTHON_TEXT,
+    HeldOutDocument,
+    StreamDocument,
+    python_text_documents,
+    stream_documents,
+)
 from curkv_train.eval.metrics import token_nll
 from curkv_train.eval.methods import CURKV_UNIFORM
-from curkv_train.eval.stream_documents import StreamDocument, stream_documents
 from curkv_train.eval.stream_rows import (
     CURKV,
     CURKV_COMPENSATED,
