@@ -28,7 +28,6 @@ from curkv_train.core.atomic import write_atomic
 from curkv_train.core.errors import CurKVError
 from curkv_train.eval.runtime_caches import plain_cache
 from curkv_train.eval.lists import FloatList
-from curkv_train.eval.scorer_entries import scorer_base, scorer_fallback
 from curkv_train.eval.stream_rows import StreamRun
 from curkv_train.eval.streaming import stream_document
 from curkv_train.eval.tasks import DataRecipe
@@ -36,7 +35,7 @@ from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.scorer import Scorer
-from curkv_train.runtime.serialization import CONFIG_FILE, load_scorer, resolve_scorer_dir
+from curkv_train.runtime.serialization import CONFIG_FILE, load_base_for, load_scorer, resolve_scorer_dir
 
 
 @dataclass(frozen=True)
@@ -116,9 +115,11 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
                          f"per_source >= 1; got {probe_keep}, {keep_ratio}, {length}, {prefix}, {chunk}, {per_source}")
     folder = resolve_scorer_dir(scorer)
     loaded = load_scorer(folder)
-    model = load_base_model(base or scorer_base(loaded), fallback=None if base else scorer_fallback(loaded))
-    loaded = load_scorer(folder, model=model)
-    tokenizer = load_tokenizer(base or scorer_base(loaded), fallback=None if base else scorer_fallback(loaded))
+    if base is None:
+        model, tokenizer = load_base_for(loaded)  # checked against the scorer's fingerprint
+    else:
+        model, tokenizer = load_base_model(base), load_tokenizer(base)
+        loaded = load_scorer(folder, model=model)
     documents = calibration_documents(tokenizer, DataRecipe.of_scorer(loaded.metadata), length=length,
                                       per_source=per_source)
     calibration = Calibration(model, loaded, documents, prefix=prefix, chunk=chunk)

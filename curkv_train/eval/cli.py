@@ -24,7 +24,7 @@ from curkv_train.eval.methods import BASELINES, CURKV, CURKV_CACHE, CURKV_UNIFOR
 from curkv_train.eval.methods import build_methods, check_methods
 from curkv_train.eval.report import write_run
 from curkv_train.eval.scorer_entries import ScorerEntry, build_scorers, fresh_scorer, load_trained, parse_scorers
-from curkv_train.eval.scorer_entries import scorer_base, scorer_fallback, with_spans
+from curkv_train.eval.scorer_entries import with_spans
 from curkv_train.eval.stream_rows import StreamSettings, check_memory, memory_settings, select_rows, stream_methods
 from curkv_train.eval.streaming import evaluate_streaming
 from curkv_train.eval.tasks import SPAN_CUE, TASKS, DataRecipe, build_examples, check_tasks, load_streams
@@ -195,10 +195,9 @@ def _settings(config: EvalConfig, main: Scorer | None) -> EvalSettings:
 def _resolve_base(scorer: str, base: str | None, trained: dict, main: ScorerEntry | None) -> tuple[str, object]:
     """The base model to load (given, else the main scorer's, else the default without a trained scorer) and the
     fallback source for its weights; CurKVError when a trained scorer records none and none is given."""
-    reference = trained.get(main.method) if main else None
-    reference = reference or next(iter(trained.values()), None)
-    fallback = None if base else scorer_fallback(reference)
-    base = base or scorer_base(reference) or (DEFAULT_BASE if not trained else None)
+    reference = (trained.get(main.method) if main else None) or next(iter(trained.values()), None)
+    fallback = None if base or reference is None else reference.base_fallback
+    base = base or (reference.base_model_id if reference else None) or (DEFAULT_BASE if not trained else None)
     if base is None:
         raise CurKVError(f"scorer {scorer!r} does not record its base model; pass --base")
     return base, fallback

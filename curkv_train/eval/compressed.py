@@ -19,17 +19,6 @@ def cache_from_layers(model: PreTrainedModel, keys: list[torch.Tensor], values: 
     return cache
 
 
-def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of the key and value tensors ``cache`` holds (what compression actually saves)."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
-
-
-def kept_tokens(cache: DynamicCache) -> float:
-    """Mean tokens held per (layer, KV head)."""
-    return sum(layer.keys.shape[2] for layer in cache.layers) / len(cache.layers)
-
-
 @torch.no_grad()
 def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor,
                         context_length: int) -> torch.Tensor:

@@ -17,37 +17,33 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.core.errors import CurKVError
-from curkv_train.eval.clock import clock
 from curkv_train.eval import kvpress_bridge
-from curkv_train.eval.compressed import batched_continuation_logits, cache_bytes, continuation_logits, kept_tokens
-from curkv_train.eval.aggregate import result_rows
-from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
+from curkv_train.eval.clock import clock
+from curkv_train.eval.compressed import batched_continuation_logits, continuation_logits
 from curkv_train.eval.kvpress_bridge import PressMethod
 from curkv_train.eval.methods import CURKV, FULL
+from curkv_train.eval.metrics import ExampleSums, continuation_sums
+from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
+from curkv_train.eval.statistics import Bootstrap, result_rows, summarize
+from curkv_train.eval.tasks import MAIN_METRIC, TASKS, TaskExample
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.cache_config import ComputeConfig
 from curkv_train.runtime.scorer import Scorer
-from curkv_train.eval.metrics import ExampleSums, continuation_sums
-from curkv_train.eval.statistics import Bootstrap, summarize
-from curkv_train.eval.tasks import MAIN_METRIC, TASKS, TaskExample
 
 
 @dataclass
 class EvalSettings:
-    """How every method is run.
+    """How every method is run (the options of :class:`~curkv_train.eval.cli.EvalConfig` of the same names).
 
     Attributes:
         ratios: compression ratios (kvpress convention: 0.7 drops 70 % of the compressible tokens).
         n_sink, window: always-kept leading / trailing context tokens.
-        seed: base seed (the presses that sample).
-        backend: compaction kernel backend (auto, torch, triton).
-        kvpress: also run kvpress's presses as kvpress ships them (rows ``kvpress:<name>``).
-        kvpress_presses: which presses (names of :data:`kvpress_bridge.PRESSES`); None: every installed one.
-        kvpress_budget: ``matched`` (same kept tokens as our path) or ``nominal`` (the ratio as given).
+        seed: base seed (bootstrap, the presses that sample).
+        backend: kernel backend of the runtime caches (``curkv_cache`` rows).
+        kvpress, kvpress_budget, kvpress_presses: the ``kvpress:<name>`` rows (None: every installed press).
         max_batch: continuations of equal kept length run together, at most this many per forward.
-        resamples: bootstrap resamples of the examples behind every interval (seeded by ``seed``).
-        bootstrap: the resulting :class:`Bootstrap` (derived, not an argument).
+        resamples: bootstrap resamples behind every interval; ``bootstrap`` is derived from them.
     """
 
     ratios: list[float]
@@ -72,9 +68,6 @@ class EvalSettings:
         if self.max_batch < 1:
             raise CurKVError(f"the continuation batch must be at least 1, got {self.max_batch}")
         self.bootstrap = Bootstrap(resamples=self.resamples, seed=self.seed)  # 95 %, every interval and verdict
-        if self.kvpress_budget not in kvpress_bridge.BUDGETS:
-            raise CurKVError(f"unknown kvpress budget {self.kvpress_budget!r}; expected one of "
-                             f"{', '.join(kvpress_bridge.BUDGETS)}")
         if self.kvpress:
             self.kvpress_presses = kvpress_bridge.select_presses(self.kvpress_presses)
 
@@ -87,8 +80,9 @@ class EvalSettings:
 
 
 def _budget(cache, context_length: int) -> dict[str, float]:
-    return {"kept_tokens": kept_tokens(cache), "context_tokens": float(context_length),
-            "kv_bytes": float(cache_bytes(cache))}
+    """What ``cache`` holds of a context of ``context_length`` tokens: tokens per (layer, KV head), bytes."""
+    return {"kept_tokens": held_tokens(cache), "context_tokens": float(context_length),
+            "kv_bytes": float(held_bytes(cache))}
 
 
 @dataclass
@@ -104,16 +98,11 @@ class _Entry:
 def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: torch.Tensor,
                          continuation_ids: torch.Tensor, keep_ratio: float,
                          backend: str = "auto") -> tuple[torch.Tensor, dict[str, float]]:
-    """Continuation logits (1, M, vocab) through a CurKVCache at its defaults, and its budget after the prefill.
-
-    The context is prefilled into the cache (compressed at ``keep_ratio`` on arrival), then the
-    continuation is fed ``window`` tokens at a time through the same cache, which compresses again
-    whenever a window has piled up, as during generation.
-    """
+    """Continuation logits (1, M, vocab) through a CurKVCache at its defaults, and its budget after the prefill
+    (the context prefilled at ``keep_ratio``, the continuation fed a window at a time, as during generation)."""
     cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, compute=ComputeConfig(backend=backend))
     prefill_cache(model, cache, context_ids)
-    budget = {"kept_tokens": held_tokens(cache), "context_tokens": float(context_ids.shape[1]),
-              "kv_bytes": float(held_bytes(cache))}
+    budget = _budget(cache, context_ids.shape[1])
     parts: list[torch.Tensor] = []
     feed_chunks(model, cache, continuation_ids, context_ids.shape[1], cache.settings.window,
                 lambda start, stop, logits: parts.append(logits))
@@ -180,7 +169,7 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     Returns:
         {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums" and, for
         perplexity tasks, "example_groups": each example's document, the bootstrap's unit}]
-        (:mod:`curkv_train.eval.aggregate`), "summary": ``ours`` against the best baseline per task and
+        (:func:`curkv_train.eval.statistics.result_rows`), "summary": ``ours`` against the best baseline per task and
         ratio (:func:`curkv_train.eval.statistics.summarize`), "main_metric": {task: metric},
         "seconds_per_example": {task: float}, "bootstrap": its settings, "documents": per perplexity task, the
         held-out documents each example came from}.

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from curkv_train.core.atomic import atomic_folder, write_atomic
-from curkv_train.eval.aggregate import BUDGET_METRICS
+from curkv_train.eval.statistics import BUDGET_METRICS
 from curkv_train.eval.figures import errorbar_png, finite, method_table, ordered_methods, signed
 from curkv_train.eval.methods import CURKV, CURKV_CACHE, FULL
 from curkv_train.eval.statistics import LOWER_IS_BETTER

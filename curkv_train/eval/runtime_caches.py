@@ -17,7 +17,6 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from curkv_train.core.shapes import kv_shape
-from curkv_train.eval.compressed import cache_bytes
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.observer import ObservationBuffer
 
@@ -62,7 +61,10 @@ class RecencyCache(CurKVCache):
 
 def held_bytes(cache: Cache) -> int:
     """Bytes a cache holds: :meth:`CurKVCache.nbytes` (every tier, positions, observation), else its K/V tensors."""
-    return cache.nbytes() if isinstance(cache, CurKVCache) else cache_bytes(cache)
+    if isinstance(cache, CurKVCache):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
 
 
 def held_tokens(cache: Cache) -> float:

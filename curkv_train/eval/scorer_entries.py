@@ -96,36 +96,15 @@ def load_trained(entries: list[ScorerEntry]) -> dict[str, Scorer]:
     from curkv_train.runtime.serialization import load_scorer
 
     loaded = {entry.method: load_scorer(entry.source) for entry in entries if entry.family is None}
-    bases = {method: base_fingerprint(scorer) for method, scorer in loaded.items()}
+    bases = {method: (scorer.metadata.get("base_model") or {}) for method, scorer in loaded.items()}
+    bases = {method: base.get("fingerprint") if isinstance(base, dict) else None for method, base in bases.items()}
     first = next(iter(bases), None)
     for method, fingerprint in bases.items():
         if fingerprint != bases[first]:
             raise CurKVError(f"scorers {first} and {method} were trained for different base models "
-                             f"({scorer_base(loaded[first])!r} vs {scorer_base(loaded[method])!r}); "
+                             f"({loaded[first].base_model_id!r} vs {loaded[method].base_model_id!r}); "
                              "evaluate scorers of one base model per run")
     return loaded
-
-
-def base_fingerprint(scorer: Scorer) -> dict | None:
-    """The base-model fingerprint a scorer records (None for scorers that record none)."""
-    base = scorer.metadata.get("base_model")
-    return base.get("fingerprint") if isinstance(base, dict) else None
-
-
-def scorer_base(scorer: Scorer | None) -> str | None:
-    """The base model id a scorer records (``base_model`` may be an id or ``{"id": ..., "fingerprint": ...}``)."""
-    if scorer is None:
-        return None
-    base = scorer.metadata.get("base_model")
-    return (base.get("id") if isinstance(base, dict) else base) or None
-
-
-def scorer_fallback(scorer: Scorer | None) -> str | None:
-    """The fallback base the scorer was trained with (its run's ``model.base_fallback``), if any."""
-    if scorer is None:
-        return None
-    hyper_parameters = scorer.metadata.get("training", {}).get("hyper_parameters", {})
-    return hyper_parameters.get("base_fallback")
 
 
 def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -> Scorer:

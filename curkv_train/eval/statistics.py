@@ -1,13 +1,13 @@
-"""Bootstrap intervals over examples, and the paired verdict of curkv against the best baseline.
+"""Result rows, bootstrap intervals over examples, and the paired verdict of curkv against the best baseline.
 
-Examples are resampled with replacement (seeded; the same resamples for every method of
-a task, so differences are paired; examples that are not independent, such as the perplexity examples of one
-held-out document, are drawn together) and each metric is recomputed from the resampled
-examples' summed measures, as the point estimate is: perplexity increase is the ratio
-of summed NLLs (over summed tokens) to the full cache's on the same resample, accuracy
-the exact answers over the resampled examples, and so on. Intervals are percentile
-intervals of those resampled metrics.
-"""
+One row per (method, ratio, task): ``metrics`` from the sums over all examples (perplexity from
+summed NLL over summed tokens, ...), ``m@key=value`` the main metric by an example tag (passkey
+depth and length), ``intervals`` the bootstrap interval of every quality metric,
+``example_values`` the main metric of each example and ``example_sums`` the measures all of them
+come from. Examples are resampled with replacement (seeded; the same resamples for every method
+of a task, so differences are paired; examples that are not independent, such as one held-out
+document's, drawn together) and each metric is recomputed from the resampled examples' sums, as
+the point estimate is; intervals are percentiles of those resampled metrics."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from curkv_train.core.errors import CurKVError
-from curkv_train.eval.metrics import finalize, total
+from curkv_train.eval.metrics import ExampleSums, finalize, total
 
+BUDGET_METRICS = ("kept_tokens", "context_tokens", "kv_bytes", "prefill_seconds")
 LOWER_IS_BETTER = frozenset({"ppl_increase_pct", "ppl", "kl", "nll"})
 WINS, LOSES, TIES, TIES_AT_FULL = "wins", "loses", "ties (within noise)", "ties (both equal the full cache)"
 
@@ -175,3 +176,62 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
                             "difference": difference.point, "difference_interval": [difference.low, difference.high],
                             "verdict": verdict(difference, name, theirs_at_full=at_full)})
     return entries
+
+
+def _subset(sums: dict[str, np.ndarray], members: np.ndarray) -> dict[str, np.ndarray]:
+    return {key: values[members] for key, values in sums.items()}
+
+
+def breakdowns(kind: str, main: str, sums: dict[str, np.ndarray], full: dict[str, np.ndarray] | None,
+               tags: list[dict[str, str]]) -> dict[str, float]:
+    """``main@key=value`` -> the main metric over the examples tagged key=value.
+
+    Args:
+        sums, full: key -> (examples,) per-example sums of the method and of the full cache.
+        tags: per example, its tags (same order).
+    """
+    labels = sorted({(key, value) for example in tags for key, value in example.items()})
+    values = {}
+    for key, value in labels:
+        members = np.array([example.get(key) == value for example in tags])
+        reference = total(_subset(full, members)) if full else None
+        metric = finalize(kind, total(_subset(sums, members)), reference).get(main)
+        if metric is not None:
+            values[f"{main}@{key}={value}"] = metric
+    return values
+
+
+def result_row(method: str, ratio: float, task: str, kind: str, main: str, sums: dict[str, np.ndarray],
+               full: dict[str, np.ndarray] | None, tags: list[dict[str, str]], bootstrap: Bootstrap,
+               groups: list[int] | None = None) -> dict:
+    """The results row of one (method, ratio, task) from its per-example ``sums`` (see the module docstring);
+    ``groups``: examples resampled together (:meth:`Bootstrap.weights`), kept in the row as ``example_groups``."""
+    metrics = finalize(kind, total(sums), total(full) if full else None)
+    weights = bootstrap.weights(len(tags), task, groups)
+    intervals = {name: list(bootstrap.interval(metric_samples(kind, name, sums, full, weights)))
+                 for name in metrics if name not in BUDGET_METRICS}
+    per_example = finalize(kind, sums, full)[main]
+    return {"method": method, "ratio": ratio, "task": task,
+            "metrics": {**metrics, **breakdowns(kind, main, sums, full, tags)},
+            "intervals": intervals,
+            "example_values": {main: np.atleast_1d(per_example).tolist()},
+            "example_sums": {key: values.tolist() for key, values in sums.items()},
+            **({"example_groups": list(groups)} if groups is not None else {})}
+
+
+def result_rows(log: ExampleSums, tags: dict[str, list[dict[str, str]]], main_metric: dict[str, str],
+                kinds: dict[str, str], bootstrap: Bootstrap, reference: str,
+                groups: dict[str, list[str] | None] | None = None) -> list[dict]:
+    """Every cell of ``log`` as a results row; ``reference`` (the full cache, at ratio 0) is every row's baseline.
+
+    Args:
+        tags: task -> per example, its tags (example order).
+        main_metric, kinds: task -> its main metric / metric kind.
+        groups: task -> per example, its resampling unit (:meth:`Bootstrap.weights`), or None (examples one by one).
+    """
+    rows = []
+    for method, ratio, task in log.cells:
+        full = log.sums(reference, 0.0, task) or None
+        rows.append(result_row(method, ratio, task, kinds[task], main_metric[task], log.sums(method, ratio, task),
+                               full, tags[task], bootstrap, (groups or {}).get(task)))
+    return rows

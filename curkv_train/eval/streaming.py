@@ -34,10 +34,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from curkv_train.eval.aggregate import result_row
 from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
 from curkv_train.eval.metrics import token_nll
-from curkv_train.eval.statistics import Bootstrap, paired_difference, verdict
+from curkv_train.eval.statistics import Bootstrap, paired_difference, result_row, verdict
 from curkv_train.eval.heldout import StreamDocument
 from curkv_train.eval.stream_rows import (
     CURKV,
@@ -147,7 +146,7 @@ def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamD
     """Stream every document through every method at every memory setting; rows, summary and records.
 
     Returns:
-        {"rows": per (method, setting, task) a results row (:func:`curkv_train.eval.aggregate.result_row`,
+        {"rows": per (method, setting, task) a results row (:func:`curkv_train.eval.statistics.result_row`,
         plus ``setting``, the end / mean bytes and the bytes as % of the full cache's), "summary": the main
         scorer against recency and the best other method, "settings", "documents": per task the sources of
         each document, "skipped": {method: why}, "seconds_per_document": {task: float}, "bootstrap",

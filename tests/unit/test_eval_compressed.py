@@ -7,13 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from curkv_train.core.selection import compress_kv, expected_kept, select_kept
-from curkv_train.eval.compressed import (
-    batched_continuation_logits,
-    cache_bytes,
-    cache_from_layers,
-    continuation_logits,
-    kept_tokens,
-)
+from curkv_train.eval.compressed import batched_continuation_logits, cache_from_layers, continuation_logits
+from curkv_train.eval.runtime_caches import held_bytes, held_tokens
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 
 N_SINK, WINDOW, CONTEXT, CONTINUATION = 4, 8, 40, 6
@@ -63,10 +58,10 @@ def test_compressed_cache_equals_masking_the_dropped_tokens(model, ids):
     press = method.press(CONTEXT, 0.75, 0, n_sink=N_SINK, window=WINDOW)
     cache, _ = press_cache(model, method.spec, press, ids[:, :CONTEXT], seed=0)
     held = expected_kept(CONTEXT, N_SINK, WINDOW, 0.25)
-    assert held == 4 + 8 + 7 and kept_tokens(cache) == held
+    assert held == 4 + 8 + 7 and held_tokens(cache) == held
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    assert cache_bytes(cache) == 2 * config.num_hidden_layers * config.num_key_value_heads * held * head_dim * 4
+    assert held_bytes(cache) == 2 * config.num_hidden_layers * config.num_key_value_heads * held * head_dim * 4
     compressed_logits = continuation_logits(model, cache, ids[:, CONTEXT:], CONTEXT)
 
     keep = list(range(N_SINK)) + list(range(CONTEXT - WINDOW - 7, CONTEXT))

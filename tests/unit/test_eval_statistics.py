@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from curkv_train.eval.aggregate import result_rows
+from curkv_train.eval.statistics import result_rows
 from curkv_train.eval.metrics import ExampleSums, finalize, total
 from curkv_train.eval.report import curkv_summary, results_json, results_markdown
 from curkv_train.eval.statistics import (
