@@ -28,7 +28,6 @@ from curkv_train.core.atomic import write_atomic
 from curkv_train.core.errors import CurKVError
 from curkv_train.eval.runtime_caches import plain_cache
 from curkv_train.eval.lists import FloatList
-from curkv_train.eval.stream_rows import StreamRun
 from curkv_train.eval.streaming import stream_document
 from curkv_train.eval.tasks import DataRecipe
 from curkv_train.models.base import load_base_model, load_tokenizer
@@ -80,7 +79,7 @@ class Calibration:
 
     def _nll(self, cache) -> float:
         """Mean NLL over every scored token of every document, each streamed through a fresh ``cache()``."""
-        traces = [stream_document(self.model, StreamRun(cache()), ids, self.prefix, self.chunk)
+        traces = [stream_document(self.model, cache(), ids, self.prefix, self.chunk)
                   for ids in self.documents]
         return float(np.concatenate([trace.nll for trace in traces]).mean())
 

@@ -70,8 +70,8 @@ class EvalConfig:
             presses' selections, and the runtime caches as their window (the hot tier is ``hot_windows`` of them).
         passkey_depths: passkey needle depths, comma-separated, in [0, 1].
         passkey_lengths: passkey context lengths; default context_length / 2 and context_length.
-        kvpress: also run kvpress's presses as kvpress ships them (their own protected tokens) as
-            ``kvpress:<name>`` rows; in the streaming task, kvpress's DecodingPress over its ScorerPresses.
+        kvpress: prefill tasks: also run kvpress's presses as kvpress ships them (their own protected tokens) as
+            ``kvpress:<name>`` rows.
         kvpress_budget: ``kvpress:<name>`` rows: ``matched`` (as many tokens as every other row) or ``nominal``.
         kvpress_presses: comma-separated subset of kvpress's presses (streaming_llm, snapkv, tova, knorm,
             expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff,
@@ -88,7 +88,7 @@ class EvalConfig:
         stream_segment: scored tokens per recorded segment of the streaming task (its bootstrap resamples
             held-out files).
         stream_rows: streaming task: comma-separated subset of its rows (full, streaming_llm, curkv,
-            curkv_uniform, curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL, kvpress:decoding/NAME);
+            curkv_uniform, curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL);
             default all; ``full`` always runs.
         budget_tokens: streaming task: also run every compressing method under a fixed budget of this
             many tokens per (layer, KV head), comma-separated budgets (the runtime cache's max_tokens).
@@ -154,7 +154,7 @@ def run_eval(config: EvalConfig) -> Path:
     for loaded in scorers.values():
         check_scorer_fits(loaded, model)
     budget = main_budget(scorers[main.method] if main else None) if config.budget_baselines else None
-    rows, skipped = _stream_rows(model, scorers, main, base, stream, config, spans) if stream else ([], {})
+    rows = _stream_rows(model, scorers, main, base, stream, config, spans) if stream else []
     recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
     training = training_hashes(tokenizer, list(recipe.sources))
     progress = lambda line: print(f"curkv-train eval: {line}", file=sys.stderr, flush=True)
@@ -171,7 +171,7 @@ def run_eval(config: EvalConfig) -> Path:
         sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in streaming_tasks}
         documents = load_stream_documents(tokenizer, streaming_tasks, sources, training[0],
                                           length=config.stream_length, count=config.stream_documents)
-        results["streaming"] = evaluate_streaming(model, documents, rows, stream, skipped, progress=progress,
+        results["streaming"] = evaluate_streaming(model, documents, rows, stream, progress=progress,
                                                   main=main.method if main else None)
         results["streaming"]["length"] = config.stream_length
     resolved = {"scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
@@ -207,7 +207,7 @@ def _stream_settings(config: EvalConfig) -> StreamSettings:
     """The streaming task's settings from ``config``, checked (one-line errors)."""
     stream = StreamSettings(memory_settings(list(config.ratios), config.budget_tokens, config.budget_bytes),
                             prefix=config.stream_prefix, chunk=config.stream_chunk, segment=config.stream_segment,
-                            backend=config.backend, kvpress=config.kvpress, seed=config.seed)
+                            backend=config.backend, seed=config.seed)
     stream.check_length(config.stream_length, None)
     if config.stream_documents < 1:
         raise CurKVError(f"--stream_documents must be at least 1, got {config.stream_documents}")
@@ -215,14 +215,14 @@ def _stream_settings(config: EvalConfig) -> StreamSettings:
 
 
 def _stream_rows(model, scorers: dict[str, Scorer], main: ScorerEntry | None, base: str, stream: StreamSettings,
-                 config: EvalConfig, spans: tuple[int, int]) -> tuple[list, dict]:
-    """The streaming task's rows (``--stream_rows`` of them) and the ones skipped, after checking the length
-    against the model and the memory the rows would take; ``spans``: the run's (n_sink, window)."""
+                 config: EvalConfig, spans: tuple[int, int]) -> list:
+    """The streaming task's rows (``--stream_rows`` of them), after checking the length against the model and the
+    memory the rows would take; ``spans``: the run's (n_sink, window)."""
     carrier = scorers[main.method] if main else with_spans(fresh_scorer("seed", model, base), *spans)
     stream.check_length(config.stream_length, getattr(text_config(model.config), "max_position_embeddings", None))
     check_memory(model, scorers, carrier, stream)
-    rows, skipped = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
-    return select_rows(rows, list(config.stream_rows) if config.stream_rows else None), skipped
+    rows = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
+    return select_rows(rows, list(config.stream_rows) if config.stream_rows else None)
 
 
 def _prefill_methods(method_names: list[str], entries: list[ScorerEntry], scorers: dict[str, Scorer],

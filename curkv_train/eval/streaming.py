@@ -16,9 +16,10 @@ cache's keep ratio 1 − ratio) or a fixed budget (``max_tokens`` per (layer, KV
   kept place by score (``recent_share=0``); ``curkv_cold`` / ``curkv_compensated`` + the cold CUR
   tier without / with residual compensation;
 - ``recency``: ``curkv``'s cache with score = position (same tiers, selection, budget and bytes);
-- every further scorer of ``--scorer`` at the runtime defaults (``curkv:LABEL``);
-- with ``--kvpress``, kvpress's DecodingPress over a ScorerPress (``kvpress:decoding/NAME``),
-  compressing every ``window`` tokens to the tokens ``streaming_llm`` holds then.
+- every further scorer of ``--scorer`` at the runtime defaults (``curkv:LABEL``).
+
+The training-free rows are rules inside the runtime cache, which compresses while decoding;
+kvpress's presses compress once, in the prefill, and run in the one-prefill tasks.
 
 Bytes held are :meth:`CurKVCache.nbytes` or a DynamicCache's K/V tensors, measured after every
 step (rows report their mean and their end value). Intervals resample held-out files, each
@@ -33,21 +34,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
 
-from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
-from curkv_train.eval.metrics import token_nll
-from curkv_train.eval.statistics import Bootstrap, paired_difference, result_row, verdict
 from curkv_train.eval.heldout import StreamDocument
-from curkv_train.eval.stream_rows import (
-    CURKV,
-    FULL,
-    PRESS_PREFIX,
-    RECENCY,
-    MemorySetting,
-    StreamMethod,
-    StreamRun,
-    StreamSettings,
-)
+from curkv_train.eval.metrics import token_nll
+from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
+from curkv_train.eval.statistics import Bootstrap, paired_difference, result_row, verdict
+from curkv_train.eval.stream_rows import CURKV, FULL, RECENCY, MemorySetting, StreamMethod, StreamSettings
 
 MAIN_METRIC = "ppl_increase_pct"
 
@@ -69,37 +62,24 @@ class StreamTrace:
 
 
 @torch.no_grad()
-def stream_document(model: PreTrainedModel, run: StreamRun, input_ids: torch.Tensor, prefix: int,
+def stream_document(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, prefix: int,
                     chunk: int) -> StreamTrace:
-    """Prefill ``prefix`` tokens of ``input_ids`` (1, tokens) into ``run.cache``, then feed the rest ``chunk`` at
-    a time; NLL of every token after the prefix and what the cache held after each step."""
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    total_tokens = ids.shape[1]
+    """Prefill ``prefix`` tokens of ``input_ids`` (1, tokens) into ``cache``, then feed the rest ``chunk`` at a time;
+    NLL of every token after the prefix and what the cache held after each step."""
+    ids = input_ids.to(next(model.parameters()).device)
     nll: list[torch.Tensor] = []
     steps: list[tuple[int, int, float, int]] = []
     started = time.perf_counter()
 
-    def measure(first: int, seen: int) -> None:
-        steps.append((first, held_bytes(run.cache), held_tokens(run.cache), seen))
-
     def on_step(start: int, stop: int, logits: torch.Tensor) -> None:
         # inputs prefix + [start, stop) predict the tokens one further on
         nll.append(token_nll(logits, ids[:, prefix + start + 1 : prefix + stop + 1])[0].double().cpu())
-        measure(start + 1, prefix + stop)
-        if run.follow is not None and prefix + stop < total_tokens - 1:
-            run.follow(min(prefix + stop + chunk, total_tokens - 1))
+        steps.append((start + 1, held_bytes(cache), held_tokens(cache), prefix + stop))
 
-    with run.active(model):
-        if run.follow is not None:
-            run.follow(prefix)
-        logits = prefill_cache(model, run.cache, ids[:, :prefix])
-        nll.append(token_nll(logits, ids[:, prefix : prefix + 1])[0].double().cpu())
-        measure(0, prefix)
-        if run.follow is not None:
-            run.follow(min(prefix + chunk, total_tokens - 1))
-        # the last token predicts nothing scored: inputs stop one short of the end
-        feed_chunks(model, run.cache, ids[:, prefix:-1], prefix, chunk, on_step)
+    logits = prefill_cache(model, cache, ids[:, :prefix])
+    nll.append(token_nll(logits, ids[:, prefix : prefix + 1])[0].double().cpu())
+    steps.append((0, held_bytes(cache), held_tokens(cache), prefix))
+    feed_chunks(model, cache, ids[:, prefix:-1], prefix, chunk, on_step)  # the last token predicts nothing scored
     return StreamTrace(torch.cat(nll).numpy(), steps, time.perf_counter() - started)
 
 
@@ -141,18 +121,17 @@ class _Cell:
 
 
 def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamDocument]], methods: list[StreamMethod],
-                       settings: StreamSettings, skipped: dict[str, str] | None = None,
-                       progress: Callable[[str], None] | None = None, main: str | None = CURKV) -> dict:
+                       settings: StreamSettings, progress: Callable[[str], None] | None = None,
+                       main: str | None = CURKV) -> dict:
     """Stream every document through every method at every memory setting; rows, summary and records.
 
     Returns:
         {"rows": per (method, setting, task) a results row (:func:`curkv_train.eval.statistics.result_row`,
         plus ``setting``, the end / mean bytes and the bytes as % of the full cache's), "summary": the main
         scorer against recency and the best other method, "settings", "documents": per task the sources of
-        each document, "skipped": {method: why}, "seconds_per_document": {task: float}, "bootstrap",
+        each document, "seconds_per_document": {task: float}, "bootstrap",
         "prefix", "chunk", "segment", "length"}.
     """
-    skipped = dict(skipped or {})
     cells: dict[tuple[str, str, str], _Cell] = {}
     seconds: dict[str, float] = {}
     for task, task_documents in documents.items():
@@ -160,18 +139,9 @@ def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamD
         for index, document in enumerate(task_documents):
             tick = time.perf_counter()
             for method in methods:
-                if method.name in skipped:
-                    continue
-                memories = [MemorySetting(FULL)] if method.name == FULL else settings.memory
-                for memory in memories:
-                    try:
-                        trace = stream_document(model, method.build(memory), document.input_ids, settings.prefix,
-                                                settings.chunk)
-                    except Exception as error:
-                        if not method.name.startswith(PRESS_PREFIX):
-                            raise
-                        skipped[method.name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-                        break
+                for memory in [MemorySetting(FULL)] if method.name == FULL else settings.memory:
+                    trace = stream_document(model, method.build(memory), document.input_ids, settings.prefix,
+                                            settings.chunk)
                     cell = cells.setdefault((method.name, memory.label, task), _Cell())
                     cell.sums.append(segment_sums(trace, settings.segment))
                     cell.ends.append(_end(trace))
@@ -181,12 +151,12 @@ def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamD
     # the bootstrap's unit: a document's file (a long file gives several streamed documents, not independent)
     units = {task: [document.sources[0] if document.sources else str(index)
                     for index, document in enumerate(task_documents)] for task, task_documents in documents.items()}
-    rows = _rows(cells, settings, skipped, units)
+    rows = _rows(cells, settings, units)
     return {"rows": rows, "summary": summarize_streaming(rows, settings.bootstrap, main=main),
             "settings": [memory.record() for memory in settings.memory],
             "documents": {task: [{"sources": list(document.sources), "tokens": int(document.input_ids.shape[1])}
                                  for document in task_documents] for task, task_documents in documents.items()},
-            "skipped": skipped, "seconds_per_document": seconds, "bootstrap": settings.bootstrap.record(),
+            "seconds_per_document": seconds, "bootstrap": settings.bootstrap.record(),
             "prefix": settings.prefix, "chunk": settings.chunk, "segment": settings.segment}
 
 
@@ -194,15 +164,14 @@ def _joined(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
-def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, skipped: dict[str, str],
-          units: dict[str, list[str]]) -> list[dict]:
-    """One results row per cell, complete documents only (a press that failed midway has no row); ``units``:
-    task -> per document, the bootstrap's unit (its segments are drawn with every other document's of that unit)."""
+def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, units: dict[str, list[str]]) -> list[dict]:
+    """One results row per cell; ``units``: task -> per document, the bootstrap's unit (its segments are drawn with
+    every other document's of that unit)."""
     ratios = {memory.label: memory.ratio for memory in settings.memory}
     rows = []
     for (method, label, task), cell in cells.items():
         full_cell = cells.get((FULL, FULL, task))
-        if method in skipped or full_cell is None or len(cell.sums) != len(full_cell.sums):
+        if full_cell is None:
             continue
         sums, full = _joined(cell.sums), _joined(full_cell.sums)
         numbers = [number for number, part in enumerate(cell.sums) for _ in part["tokens"]]

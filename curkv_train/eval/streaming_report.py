@@ -69,8 +69,6 @@ def streaming_markdown(streaming: dict) -> list[str]:
                   "cold tier only while its keep ratio is below 1: in the budget columns `curkv_cold` and "
                   "`curkv_compensated` hold what `curkv` holds.", ""]
     lines += _summary(streaming)
-    for method, reason in (streaming.get("skipped") or {}).items():
-        lines += [f"`{method}` did not run: {reason}.", ""]
     for task, documents in streaming.get("documents", {}).items():
         def row(method: str, setting: str, task: str = task) -> dict | None:
             return rows.get((method, FULL if method == FULL else setting, task))

@@ -27,13 +27,10 @@ from curkv_train.eval.stream_rows import (
     CURKV_COMPENSATED,
     CURKV_SCORE_ONLY,
     FULL,
-    PRESS_PREFIX,
     RECENCY,
     STREAMING_LLM,
-    StreamRun,
     StreamSettings,
     check_memory,
-    held_after,
     memory_settings,
     select_rows,
     stream_methods,
@@ -56,14 +53,21 @@ def tokens(length: int, seed: int = 0) -> torch.Tensor:
 
 
 def methods_by_name(model, scorer, settings, scorers=None):
-    methods, skipped = stream_methods(model, scorers or {CURKV: scorer}, scorer, settings, main=CURKV)
-    return {method.name: method for method in methods}, skipped
+    methods = stream_methods(model, scorers or {CURKV: scorer}, scorer, settings, main=CURKV)
+    return {method.name: method for method in methods}
+
+
+def held_after(settings, seen: int) -> int:
+    """Tokens per (layer, KV head) a CurKVCache with ``settings`` (TierSettings) holds right after compressing at
+    ``seen``: sinks and hot tier, plus its target share of the rest."""
+    protected = settings.n_sink + settings.hot_tokens
+    return seen if seen <= protected else protected + settings.target(seen - protected, seen)
 
 
 @pytest.mark.parametrize("chunk", [1, 16, 50])
 def test_full_cache_streaming_equals_one_forward(model, chunk):
     ids = tokens(300)
-    trace = stream_document(model, StreamRun(plain_cache(model)), ids, PREFIX, chunk)
+    trace = stream_document(model, plain_cache(model), ids, PREFIX, chunk)
     with torch.no_grad():
         reference = token_nll(model(ids).logits, ids[:, 1:])[0, PREFIX - 1 :].double().numpy()
     assert trace.nll.shape == reference.shape == (300 - PREFIX,)
@@ -73,8 +77,8 @@ def test_full_cache_streaming_equals_one_forward(model, chunk):
 
 
 def test_at_keep_one_every_method_equals_the_full_cache(model, scorer):
-    settings = StreamSettings(memory_settings([0.0]), prefix=PREFIX, chunk=WINDOW, kvpress=True, backend="torch")
-    methods, _ = methods_by_name(model, scorer, settings)
+    settings = StreamSettings(memory_settings([0.0]), prefix=PREFIX, chunk=WINDOW, backend="torch")
+    methods = methods_by_name(model, scorer, settings)
     ids = tokens(260, seed=1)
     full = stream_document(model, methods[FULL].build(settings.memory[0]), ids, PREFIX, WINDOW)
     assert {STREAMING_LLM, CURKV_COMPENSATED, "curkv_cold", CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY,
@@ -87,8 +91,8 @@ def test_at_keep_one_every_method_equals_the_full_cache(model, scorer):
 
 def test_score_only_row_gives_every_place_to_the_score(model, scorer):
     settings = StreamSettings(memory_settings([0.5]), prefix=PREFIX, chunk=WINDOW, backend="torch")
-    methods, _ = methods_by_name(model, scorer, settings)
-    shares = {name: methods[name].build(settings.memory[0]).cache.settings.recent_share
+    methods = methods_by_name(model, scorer, settings)
+    shares = {name: methods[name].build(settings.memory[0]).settings.recent_share
               for name in (CURKV, CURKV_SCORE_ONLY, RECENCY)}
     assert shares == {CURKV: 0.5, CURKV_SCORE_ONLY: 0.0, RECENCY: 0.5}
 
@@ -101,8 +105,8 @@ def test_layer_budget_rows(model):
     scorer = random_scorer(window=WINDOW)
     scorer.layer_budget = LayerBudget((0.5, 2.0))
     settings = StreamSettings(memory_settings([0.5]), prefix=PREFIX, chunk=WINDOW, backend="torch")
-    methods, _ = methods_by_name(model, scorer, settings)
-    budgets = {name: methods[name].build(settings.memory[0]).cache.settings.layer_budget
+    methods = methods_by_name(model, scorer, settings)
+    budgets = {name: methods[name].build(settings.memory[0]).settings.layer_budget
                for name in (CURKV, CURKV_UNIFORM, RECENCY, STREAMING_LLM)}
     assert budgets == {CURKV: scorer.layer_budget, CURKV_UNIFORM: None, RECENCY: scorer.layer_budget,
                        STREAMING_LLM: None}
@@ -114,16 +118,16 @@ def test_recency_and_learned_caches_hold_equal_bytes(model, family):
     scorer = family_scorer(family, n_sink=N_SINK, window=WINDOW) if family != "seed" else random_scorer(window=WINDOW)
     ids = tokens(400, seed=2)
     for memory in memory_settings([0.5], [120]):
-        learned = stream_document(model, StreamRun(CurKVCache(scorer, model=model, compute=ComputeConfig("torch"),
-                                                              **memory.cache_options())), ids, PREFIX, WINDOW)
-        recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, compute=ComputeConfig("torch"),
-                                                               **memory.cache_options())), ids, PREFIX, WINDOW)
+        learned = stream_document(model, CurKVCache(scorer, model=model, compute=ComputeConfig("torch"),
+                                                              **memory.cache_options()), ids, PREFIX, WINDOW)
+        recent = stream_document(model, RecencyCache(scorer, model=model, compute=ComputeConfig("torch"),
+                                                               **memory.cache_options()), ids, PREFIX, WINDOW)
         assert [step[1:] for step in learned.steps] == [step[1:] for step in recent.steps], memory.label
         assert not np.allclose(learned.nll, recent.nll)  # they did keep different tokens
     # StreamingLLM (no tiers, no observation) holds as many tokens as the dense learned cache, fewer bytes
-    sink_recent = stream_document(model, StreamRun(RecencyCache(scorer, model=model, keep_ratio=0.5,
-                                                                observe=False)), ids, PREFIX, WINDOW)
-    dense = stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5)), ids,
+    sink_recent = stream_document(model, RecencyCache(scorer, model=model, keep_ratio=0.5,
+                                                                observe=False), ids, PREFIX, WINDOW)
+    dense = stream_document(model, CurKVCache(scorer, model=model, keep_ratio=0.5), ids,
                             PREFIX, WINDOW)
     assert [step[2] for step in sink_recent.steps] == [step[2] for step in dense.steps]
     assert all(a[1] <= b[1] for a, b in zip(sink_recent.steps, dense.steps))
@@ -142,42 +146,38 @@ def test_chunk_token_by_token_equals_a_window_per_chunk(model, scorer):
     """Fed a window at a time the cache compresses exactly when token-by-token generation would."""
     ids = tokens(330, seed=3)
     compute = ComputeConfig("torch")
-    runs = [stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5, compute=compute)),
+    runs = [stream_document(model, CurKVCache(scorer, model=model, keep_ratio=0.5, compute=compute),
                             ids, PREFIX, chunk) for chunk in (1, WINDOW)]
     np.testing.assert_allclose(runs[0].nll, runs[1].nll, atol=1e-4)
 
 
 @pytest.mark.parametrize("chunk", [5 * WINDOW, 200])
 def test_a_chunk_longer_than_the_hot_tier_is_compressed_on_arrival(model, scorer, chunk):
-    """The runtime compresses a chunk longer than the hot tier as it arrives: the eval runs it, every method,
-    and after each step every compressing cache holds what it would after compressing at that length."""
-    settings = StreamSettings(memory_settings([0.5], [150]), prefix=PREFIX, chunk=chunk, kvpress=True,
-                              backend="torch")
-    methods, _ = methods_by_name(model, scorer, settings)
+    """The runtime compresses a chunk longer than the hot tier as it arrives: the eval runs it, and after each step
+    every compressing cache holds what it would after compressing at that length."""
+    settings = StreamSettings(memory_settings([0.5], [150]), prefix=PREFIX, chunk=chunk, backend="torch")
+    methods = methods_by_name(model, scorer, settings)
     ids = tokens(600, seed=4)
     for memory in settings.memory:
         for name in (CURKV, RECENCY, STREAMING_LLM):
             run = methods[name].build(memory)
             trace = stream_document(model, run, ids, PREFIX, chunk)
             assert np.isfinite(trace.nll).all() and len(trace.nll) == 600 - PREFIX
-            assert [step[2] for step in trace.steps] == [held_after(run.cache.settings, seen)
+            assert [step[2] for step in trace.steps] == [held_after(run.settings, seen)
                                                         for *_, seen in trace.steps], (name, memory.label)
-        press = stream_document(model, methods[PRESS_PREFIX + "knorm"].build(memory), ids, PREFIX, chunk)
-        assert np.isfinite(press.nll).all()
-        assert press.steps[-1][2] == held_after(methods[STREAMING_LLM].build(memory).cache.settings, 599)
 
 
 def test_budget_options_reach_every_compressing_cache(model, scorer):
-    settings = StreamSettings(memory_settings([], [140], [60_000]), prefix=PREFIX, chunk=WINDOW, kvpress=True,
+    settings = StreamSettings(memory_settings([], [140], [60_000]), prefix=PREFIX, chunk=WINDOW,
                               backend="torch")
-    methods, _ = methods_by_name(model, scorer, settings)
+    methods = methods_by_name(model, scorer, settings)
     tokens_budget, bytes_budget = settings.memory
     assert (tokens_budget.max_tokens, tokens_budget.keep_ratio, bytes_budget.max_bytes) == (140, 1.0, 60_000)
     for name, method in methods.items():
-        if name == FULL or name.startswith(PRESS_PREFIX):
+        if name == FULL:
             continue
-        assert method.build(tokens_budget).cache.settings.max_tokens == 140, name
-        assert method.build(bytes_budget).cache.settings.max_tokens is not None, name
+        assert method.build(tokens_budget).settings.max_tokens == 140, name
+        assert method.build(bytes_budget).settings.max_tokens is not None, name
     ids = tokens(500, seed=5)
     full = stream_document(model, methods[FULL].build(tokens_budget), ids, PREFIX, WINDOW)
     for name in methods:
@@ -224,27 +224,25 @@ def test_python_text_is_long_prose_no_training_source_reads():
 
 
 def test_segments_carry_the_bytes_of_their_steps(model, scorer):
-    trace = stream_document(model, StreamRun(CurKVCache(scorer, model=model, keep_ratio=0.5)), tokens(400), PREFIX,
+    trace = stream_document(model, CurKVCache(scorer, model=model, keep_ratio=0.5), tokens(400), PREFIX,
                             WINDOW)
     sums = segment_sums(trace, 100)
     assert sums["tokens"].tolist() == [100, 100, 80] and math.isclose(sums["nll"].sum(), trace.nll.sum())
     assert sums["kv_bytes"][0] > 0 and sums["context_tokens"][-1] > sums["context_tokens"][0]
 
 
-def test_evaluation_rows_summary_and_skipped_presses(model, scorer):
-    settings = StreamSettings(memory_settings([0.5], [140]), prefix=PREFIX, chunk=WINDOW, segment=60, kvpress=True,
+def test_evaluation_rows_and_summary(model, scorer):
+    settings = StreamSettings(memory_settings([0.5], [140]), prefix=PREFIX, chunk=WINDOW, segment=60,
                               backend="torch", resamples=200)
     other = random_scorer(window=WINDOW, bias=1.0)
-    methods, skipped = stream_methods(model, {CURKV: scorer, "curkv:b": other}, scorer, settings, main=CURKV)
+    methods = stream_methods(model, {CURKV: scorer, "curkv:b": other}, scorer, settings, main=CURKV)
     documents = {"stream_code": [StreamDocument("stream_code", tokens(300, seed), (f"file{seed % 2}",))
                                  for seed in range(3)]}  # the first and the last cut from one file
-    results = evaluate_streaming(model, documents, methods, settings, skipped, main=CURKV)
+    results = evaluate_streaming(model, documents, methods, settings, main=CURKV)
     rows = {(row["method"], row["setting"]): row for row in results["rows"]}
-    assert {(CURKV, "0.5"), (RECENCY, "140 tokens"), ("curkv:b", "0.5"), (FULL, FULL),
-            (PRESS_PREFIX + "expected_attention", "0.5")} <= set(rows)
+    assert {(CURKV, "0.5"), (RECENCY, "140 tokens"), ("curkv:b", "0.5"), (FULL, FULL)} <= set(rows)
     assert rows[(FULL, FULL)]["metrics"]["ppl_increase_pct"] == 0.0
     assert rows[(CURKV, "0.5")]["metrics"]["kv_bytes_pct"] == rows[(RECENCY, "0.5")]["metrics"]["kv_bytes_pct"] < 100
-    assert PRESS_PREFIX + "curkv" in results["skipped"]
     against = {(entry["setting"], entry["against"]) for entry in results["summary"]}
     assert ("0.5", "recency") in against and all(entry["method"] == CURKV for entry in results["summary"])
     assert results["documents"]["stream_code"][1]["sources"] == ["file1"]
@@ -290,7 +288,7 @@ def test_streaming_through_the_cli(tmp_path, capsys):
 
 def test_selected_rows_keep_the_full_cache_and_refuse_unknown_names(model, scorer):
     settings = StreamSettings(memory_settings([0.5]), prefix=PREFIX, chunk=WINDOW, backend="torch")
-    methods, _ = stream_methods(model, {CURKV: scorer, "curkv:b": scorer}, scorer, settings, main=CURKV)
+    methods = stream_methods(model, {CURKV: scorer, "curkv:b": scorer}, scorer, settings, main=CURKV)
     assert [method.name for method in select_rows(methods, ["recency", "curkv:b"])] == [FULL, RECENCY, "curkv:b"]
     assert select_rows(methods, None) == methods
     with pytest.raises(CurKVError, match="unknown streaming row.*'curkv:c'.*this run has: full, streaming_llm"):
