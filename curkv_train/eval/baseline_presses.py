@@ -1,7 +1,4 @@
-"""The harness's two kvpress presses: every baseline's selection, and H2O, which kvpress has no press of.
-
-Imported only where a press is built: it needs the optional ``kvpress`` package.
-"""
+"""The harness's two kvpress presses: every baseline's selection, and H2O (kvpress has none); needs kvpress."""
 
 from __future__ import annotations
 
@@ -20,26 +17,13 @@ from curkv_train.core.selection import compressible_mask
 class ProtectedPress(ScorerPress):
     """kvpress's ``press``, its first ``n_sink`` and last ``window`` tokens kept whatever their score.
 
-    The protected tokens score above every other, so kvpress's top-k keeps them and then the
-    best-scored of the rest: the selection of :class:`~curkv_train.runtime.press.CurKVPress`
-    and :func:`~curkv_train.core.selection.select_kept`, over kvpress's scores.
-
-    Parameters
-    ----------
-    press : ScorerPress
-        The kvpress press whose ``score`` ranks the tokens.
-    n_sink, window : int
-        Protected leading / trailing tokens.
+    The protected tokens score above every other, so kvpress's top-k keeps them and then the best-scored of
+    the rest: the selection of :class:`~curkv_train.runtime.press.CurKVPress`, over ``press``'s scores.
     """
 
     press: ScorerPress | None = None
     n_sink: int = 4
     window: int = 64
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.press, ScorerPress):
-            raise CurKVError(f"ProtectedPress wraps a kvpress ScorerPress, got {type(self.press).__name__}")
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         """The wrapped press's model-dependent setup."""
@@ -47,13 +31,9 @@ class ProtectedPress(ScorerPress):
 
     def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               attentions: torch.Tensor | None, kwargs: dict) -> torch.Tensor:
-        """(batch, kv_heads, tokens) the wrapped press's scores, the protected tokens lifted above the maximum.
-
-        Args:
-            hidden_states: (batch, tokens, hidden_size) the prefill's attention inputs.
-            keys, values: (batch, kv_heads, tokens, head_dim) the prefilled context.
-            attentions: (batch, heads, tokens, tokens) attention weights under eager attention, else None.
-        """
+        """(batch, kv_heads, tokens) the wrapped press's scores, the protected tokens lifted above the maximum, from
+        ``hidden_states`` (batch, tokens, hidden_size), ``keys``/``values`` (batch, kv_heads, tokens, head_dim) and,
+        under eager attention, ``attentions`` (batch, heads, tokens, tokens)."""
         self.press.compression_ratio = self.compression_ratio  # StreamingLLMPress sizes its scores by its own ratio
         scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
         protected = ~compressible_mask(keys.shape[2], self.n_sink, self.window, device=scores.device)
@@ -64,10 +44,9 @@ class ProtectedPress(ScorerPress):
 class H2OPress(ScorerPress):
     """H2O: keep the heavy hitters, the keys that received the most attention (https://arxiv.org/abs/2306.14048).
 
-    The attention each key received, summed over every query of the prefill (the paper's
-    accumulated sum: early keys are seen by more queries), averaged over the KV head's query
-    heads. kvpress's ObservedAttentionPress divides each sum by the number of queries that saw
-    the key instead. Needs eager attention (kvpress then hands the weights).
+    The attention each key received, summed over every query of the prefill (the paper's accumulated
+    sum), averaged over the KV head's query heads; kvpress's ObservedAttentionPress divides each sum by
+    the number of queries that saw the key instead. Needs eager attention (kvpress then hands the weights).
     """
 
     def score(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

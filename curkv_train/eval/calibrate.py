@@ -1,15 +1,10 @@
 """``curkv-train calibrate``: measure how much each layer's compression costs, and record the layer budget.
 
-Each calibration document (blocks of the scorer's own training split: its recipe's text and
-code sources, never evaluation text) is streamed through the runtime cache as
-``curkv-train eval``'s streaming task does (prefill a prefix, then chunks, re-compressing every
-window). Per decoder layer, the cache compresses that layer alone, to ``probe_keep``; the
-perplexity increase over the full cache is the layer's sensitivity. Then each candidate
-exponent of :class:`~curkv_train.runtime.allocation.LayerBudget` splits ``keep_ratio`` across
-layers on the same documents, and the one of least perplexity increase is recorded (0, one
-ratio for every layer, is among them, so a budget never does worse than uniform on the
-calibration documents). The result is written into the scorer's ``scorer.json`` (atomically;
-the weights are untouched), where :class:`~curkv_train.runtime.CurKVCache` reads it by default.
+Blocks of the scorer's own training split are streamed through the runtime cache as the streaming task
+does. Per decoder layer, the cache compresses that layer alone to ``probe_keep``: the perplexity increase
+is the layer's sensitivity. Each candidate exponent of :class:`~curkv_train.runtime.allocation.LayerBudget`
+(0, one ratio for every layer, among them) then splits ``keep_ratio`` across layers on the same documents;
+the best is written into the scorer's ``scorer.json`` (atomically), where CurKVCache reads it by default.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """``curkv-train compare``: paired differences between methods of one evaluation run, with verdicts.
 
-The ablation reading of a run: for each pair ``A..B`` (method names as in the run's rows; ``..``
-because names hold ``:``), per task and ratio, A's main metric minus B's on the same examples,
-with the paired 95 % bootstrap interval and the verdict the run's summary uses (resampled as the rows record in
-``example_groups``: perplexity examples by held-out document, streaming segments by file, the rest one by one)::
+For each pair ``A..B`` (method names as in the run's rows), per task and setting, A's main metric (or
+``--metric``) minus B's on the same examples, with the paired 95 % bootstrap interval and the verdict the
+run's summary uses, resampled as the rows record in ``example_groups``::
 
     curkv-train compare --run runs/eval-ablation --pairs "curkv:query_aware_dense..curkv:query_aware"
-
-``--metric kl`` (any metric the rows' per-example sums give) compares that instead of each task's main metric.
 """
 
 from __future__ import annotations
@@ -52,24 +49,16 @@ def _row_at(cells: dict, method: str, setting: str, task: str, full_row: dict | 
 
 
 def compare_methods(results: dict, first: str, second: str, metric: str | None = None) -> list[dict]:
-    """Per (task, setting) where both methods have rows: ``first`` − ``second`` on the task's main metric, or on
-    ``metric`` where the rows' per-example sums give it.
-
-    The full cache (``full``) is the reference of every setting, so it pairs with a method at each of
-    that method's settings.
-
-    Args:
-        results: a run's results.json content (rows with per-example sums, main_metric, bootstrap; and
-            the streaming task's rows, paired over segments, if it ran).
-        first, second: method names of its rows.
+    """Per (task, setting) where both methods have rows: ``first`` − ``second`` (method names of ``results``, a run's
+    results.json) on the task's main metric, or on ``metric`` where the rows' per-example sums give it; the full
+    cache pairs with a method at each of its settings.
 
     Returns:
-        entries with task, setting (a ratio, or a streaming memory setting), metric, both values, the
-        difference, its interval and the verdict (``wins`` means ``first`` is better).
+        entries with task, setting (a ratio or a streaming memory setting), metric, both values, the difference,
+        its interval and the verdict (``wins``: ``first`` is better).
 
     Raises:
-        CurKVError: a method not in the run, two methods that share no (task, setting), or a ``metric`` none of
-            the rows can be compared on.
+        CurKVError: a method not in the run, two methods that share no (task, setting), or a ``metric`` no row gives.
     """
     cells = _cells(results)
     known = {method for method, _, _ in cells}

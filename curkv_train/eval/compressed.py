@@ -1,8 +1,5 @@
-"""Compressed caches and the continuation that measures them.
-
-A compressed cache holds fewer tokens than the model has seen, so the continuation
-is run with explicit positions: RoPE positions continue from the true context
-length, cache positions (what the causal mask is built from) from the kept length.
+"""Compressed caches and their continuation: RoPE positions continue from the true context length, cache
+positions (what the causal mask is built from) from the kept length.
 """
 
 from __future__ import annotations
@@ -42,16 +39,8 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
 @torch.no_grad()
 def batched_continuation_logits(model: PreTrainedModel, caches: list[DynamicCache], continuation_ids: torch.Tensor,
                                 context_length: int, max_batch: int = 8) -> list[torch.Tensor]:
-    """Logits of one continuation after each of ``caches``, caches of equal kept lengths (every layer) run as
-    one batch.
-
-    Args:
-        caches: single-example caches (batch 1); they are not modified.
-        continuation_ids: (1, M) the continuation.
-        max_batch: at most this many caches per forward (memory: max_batch × M × vocab logits).
-
-    Returns:
-        per cache, (1, M, vocab) float32 logits, in the order of ``caches``.
+    """Per cache of ``caches`` (batch 1, left unmodified), the (1, M, vocab) float32 logits of ``continuation_ids``
+    (1, M) after it; caches of equal lengths in every layer run as one batch of at most ``max_batch``.
     """
     logits: list[torch.Tensor | None] = [None] * len(caches)
     groups: dict[tuple[int, ...], list[int]] = {}

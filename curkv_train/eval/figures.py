@@ -21,13 +21,13 @@ def signed(value: float) -> str:
 
 
 def ordered_methods(rows: list[dict]) -> list[str]:
-    """The rows' method names: ``full`` first, kvpress's presses as shipped (``kvpress:...``) last, else as they come."""
+    """The rows' method names: ``full`` first, kvpress's presses as shipped (``kvpress:...``) last."""
     names = list(dict.fromkeys(row["method"] for row in rows))
     return sorted(names, key=lambda name: (name != FULL, name.startswith(PRESS_PREFIX), names.index(name)))
 
 
 def method_table(methods: list[str], columns: list[str], cell: Callable[[str, str], str]) -> list[str]:
-    """Markdown lines of a method × column table, ``cell(method, column)`` in each cell; rows of "–" only left out."""
+    """Markdown lines of a method × column table of ``cell(method, column)``; rows of "–" only left out."""
     lines = ["| method | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for method in methods:
         cells = [cell(method, column) for column in columns]

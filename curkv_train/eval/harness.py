@@ -1,11 +1,10 @@
 """The evaluation loop: every (method, ratio) of every example through the same path.
 
-Per example: prefill the context and run the continuation on the full cache (the reference);
-then for each compression ratio every compressing row prefills the context under its kvpress
-press (:mod:`curkv_train.eval.methods`) and continues from the cache the press left, caches of
-equal lengths in one batch. ``curkv_cache`` rows run a trained scorer through the runtime
-CurKVCache at its defaults: the context prefilled into the cache at the ratio's keep ratio, then
-the continuation fed a window at a time (so it compresses when token-by-token generation would)."""
+Per example the full cache's continuation is the reference; for each ratio every compressing row prefills
+the context under its kvpress press (:mod:`curkv_train.eval.methods`) and continues from the cache it left
+(equal lengths batched). ``curkv_cache`` rows feed the context, then the continuation a window at a time,
+through the runtime CurKVCache at its defaults, which compresses as during generation.
+"""
 
 from __future__ import annotations
 
@@ -34,16 +33,9 @@ from curkv_train.runtime.scorer import Scorer
 
 @dataclass
 class EvalSettings:
-    """How every method is run (the options of :class:`~curkv_train.eval.cli.EvalConfig` of the same names).
-
-    Attributes:
-        ratios: compression ratios (kvpress convention: 0.7 drops 70 % of the compressible tokens).
-        n_sink, window: always-kept leading / trailing context tokens.
-        seed: base seed (bootstrap, the presses that sample).
-        backend: kernel backend of the runtime caches (``curkv_cache`` rows).
-        kvpress, kvpress_budget, kvpress_presses: the ``kvpress:<name>`` rows (None: every installed press).
-        max_batch: continuations of equal kept length run together, at most this many per forward.
-        resamples: bootstrap resamples behind every interval; ``bootstrap`` is derived from them.
+    """How every method is run: the options of :class:`~curkv_train.eval.cli.EvalConfig` of the same names
+    (``max_batch``: ``--batch``; ``kvpress_presses`` None: every installed press), and the bootstrap
+    (``resamples``, seeded by ``seed``) behind every interval and verdict.
     """
 
     ratios: list[float]
@@ -155,24 +147,19 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
              progress: Callable[[str], None] | None = None,
              cache_methods: dict[str, Scorer] | None = None, ours: str = CURKV,
              not_baselines: tuple[str, ...] = ()) -> dict:
-    """Run every method on every example and aggregate.
+    """Run every method on every example; the rows, the verdicts and what they were computed from.
 
     Args:
-        examples: task name -> its examples.
-        methods: method name -> its press (``full`` -> None; :func:`curkv_train.eval.methods.build_methods`);
-            with ``settings.kvpress``, the ``kvpress:<name>`` rows are added.
+        methods: method name -> its press (``full`` -> None, :func:`~curkv_train.eval.methods.build_methods`);
+            with ``settings.kvpress`` the ``kvpress:<name>`` rows are added.
         progress: called with one line per finished example.
         cache_methods: method name -> trained scorer run through the runtime CurKVCache (``curkv_cache``).
-        ours: the method the summary's verdict is about (the main scorer's bare selection).
-        not_baselines: further methods that are not baselines (other scorers, runtime-cache rows).
+        ours: the method the summary's verdict is about; ``not_baselines``: other rows that are not baselines.
 
     Returns:
-        {"rows": [{"method", "ratio", "task", "metrics", "intervals", "example_values", "example_sums" and, for
-        perplexity tasks, "example_groups": each example's document, the bootstrap's unit}]
-        (:func:`curkv_train.eval.statistics.result_rows`), "summary": ``ours`` against the best baseline per task and
-        ratio (:func:`curkv_train.eval.statistics.summarize`), "main_metric": {task: metric},
-        "seconds_per_example": {task: float}, "bootstrap": its settings, "documents": per perplexity task, the
-        held-out documents each example came from}.
+        {"rows" (:func:`~curkv_train.eval.statistics.result_rows`), "summary" (``ours`` against the best baseline,
+        :func:`~curkv_train.eval.statistics.summarize`), "main_metric", "seconds_per_example", "bootstrap",
+        "documents": per perplexity task the held-out documents of each example}.
     """
     for task, task_examples in examples.items():
         for example in task_examples:

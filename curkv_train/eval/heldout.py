@@ -1,13 +1,11 @@
 """Held-out evaluation text: a validation split with every span the training split holds cut out.
 
-Documents go to train or validation by a hash of their id, but documents of one corpus quote
-each other (pydoc topics nest, codec modules repeat tables), so a validation document is cut
-at every :data:`SPAN`-token span that also occurs in the training split of any source of the
-recipe (a rolling hash over token ids); the pieces left, joined by EOS, are the evaluation text.
-Besides the recipe's sources, :data:`PYTHON_TEXT` reads the long prose files CPython ships next
-to its standard library (IDLE's news, history and notes, the licence), which no training source
-reads; their spans the training split shares are cut all the same. The streaming task cuts its
-long documents from the held-out ones (:func:`stream_documents`)."""
+Documents of one corpus quote each other (pydoc topics nest, codec modules repeat tables), so a validation
+document is cut at every :data:`SPAN`-token span that also occurs in the training split of any source of
+the recipe (a rolling hash over token ids); the pieces left, joined by EOS, are the evaluation text.
+:data:`PYTHON_TEXT` reads the prose files CPython ships beside its standard library, which no training
+source reads. The streaming task's long documents are cut from held-out ones (:func:`stream_documents`).
+"""
 
 from __future__ import annotations
 
@@ -32,13 +30,9 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 
 @dataclass(frozen=True)
 class DocumentSource:
-    """Where a recipe's documents come from and which share of them it held out.
-
-    Attributes:
-        kind: document source kind (stdlib, pydoc, files, hub); a synthetic task's filler.
-        val_fraction: share of document ids in the validation split (:func:`split_of`).
-        path, name, text_field, limit: as in :class:`curkv_train.training.data.datamodule.DataSource`.
-    """
+    """Where a recipe's documents come from (``kind``: stdlib, pydoc, files, hub; a synthetic task's filler) and the
+    share of document ids in their validation split (``val_fraction``); the other fields as in
+    :class:`~curkv_train.training.data.datamodule.DataSource`."""
 
     kind: str
     val_fraction: float
@@ -115,14 +109,8 @@ def unseen_pieces(ids: np.ndarray, seen: np.ndarray, span: int = SPAN) -> list[n
 
 @dataclass(frozen=True)
 class HeldOutDocument:
-    """One held-out document after cutting: its id and its pieces, each followed by EOS.
-
-    Attributes:
-        id: the document id (``stdlib/ipaddress.py``, ``python_text/idlelib/NEWS.txt``, ...).
-        tokens: (tokens,) int64 the pieces, each followed by EOS (empty when nothing was left).
-        pieces: pieces left after cutting.
-        original_tokens: tokens of the document before cutting.
-    """
+    """One held-out document after cutting: its ``id`` (``stdlib/ipaddress.py``, ...), ``tokens`` (tokens,) int64 the
+    ``pieces`` left, each followed by EOS (empty when nothing was left), and its ``original_tokens`` count."""
 
     id: str
     tokens: np.ndarray
@@ -132,21 +120,11 @@ class HeldOutDocument:
 
 @dataclass
 class HeldOutText:
-    """One evaluation token stream and how it was made.
-
-    Attributes:
-        tokens: (tokens,) int64 the pieces, each followed by EOS.
-        kind: document source kind it reads (``a+b`` for a stream joined from several, see ``parts``).
-        val_fraction: the split it reads (the recipe's, or the default; 1.0 for ``python_text``: all held out).
-        origin: ``scorer recipe``, ``default`` or ``never trained``: where ``val_fraction`` came from.
-        documents: validation documents read.
-        pieces: pieces left after cutting.
-        validation_tokens: tokens of the validation documents before cutting.
-        removed_tokens: tokens cut (seen in training, or in pieces shorter than the span).
-        unchecked: training sources that could not be read (hub sources offline).
-        document_ids: (tokens,) index into ``names`` of the document each token came from.
-        names: the ids of the documents read, in stream order.
-        parts: for a joined stream, the record of each stream it joins.
+    """One evaluation token stream and how it was made: ``tokens`` (tokens,) int64, the pieces each followed by EOS;
+    the source ``kind`` and ``val_fraction`` it reads (``a+b`` for a stream joined from ``parts``, their records), and
+    its ``origin`` (``scorer recipe``, ``default`` or ``never trained``); validation ``documents`` read, ``pieces``
+    left, ``validation_tokens`` before cutting and ``removed_tokens`` cut; ``unchecked`` training sources that
+    could not be read; ``document_ids`` (tokens,) the index into ``names`` of each token's document.
     """
 
     tokens: np.ndarray
@@ -173,8 +151,6 @@ class HeldOutText:
 
     def documents_between(self, start: int, stop: int) -> list[str]:
         """Ids of the documents tokens [start, stop) of the stream came from, in stream order."""
-        if not len(self.document_ids):
-            return []
         return [self.names[index] for index in dict.fromkeys(self.document_ids[start:stop].tolist())]
 
     def main_document(self, start: int, stop: int) -> str:

@@ -127,13 +127,9 @@ def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int,
 
 @dataclass(frozen=True)
 class PressMethod:
-    """A compressing row: the press it runs and the tokens it is given.
-
-    Attributes:
-        spec: how the harness runs the press.
-        make: (compression ratio, seed) -> the press at that ratio.
-        layer_budget: the budget the row's per-layer counts follow; None: one ratio for every layer.
-        matched: given our selection's count per (layer, KV head); False: ``--kvpress_budget`` decides.
+    """A compressing row: how the harness runs its press (``spec``), the press at a compression ratio (``make``:
+    (ratio, seed) -> press), the ``layer_budget`` its per-layer counts follow (None: one ratio for every layer),
+    and whether it keeps our selection's count (``matched``; False: ``--kvpress_budget`` decides).
     """
 
     spec: PressSpec

@@ -1,12 +1,8 @@
 """Per-token measures of a continuation, their per-example sums, and the task metrics built from sums.
 
-The continuation's logits at position t predict its token t + 1, so a continuation of
-M tokens gives M − 1 scored predictions, and an answer span [start, end) (continuation
-coordinates, start ≥ 1) is predicted by the logits at [start − 1, end − 1).
-
-Every example's sums are kept (:class:`ExampleSums`), not only their totals, so a metric
-can be computed over any multiset of examples: :func:`finalize` takes sums that are
-numbers (one metric) or arrays (one metric per example, or per bootstrap resample).
+The logits at position t predict token t + 1, so M continuation tokens give M − 1 scored predictions, and
+an answer span [start, end) is predicted by the logits at [start − 1, end − 1). Every example's sums are
+kept, so a metric can be computed over any multiset of examples (a bootstrap resample).
 """
 
 from __future__ import annotations
@@ -44,17 +40,9 @@ def perplexity(nll_sum, count):
 
 def continuation_sums(logits: torch.Tensor, reference_logits: torch.Tensor, continuation_ids: torch.Tensor,
                       answer: tuple[int, int] | None) -> dict[str, float]:
-    """Sums of one example's measures.
-
-    Args:
-        logits: (batch, M, vocab) continuation logits under the compressed cache.
-        reference_logits: (batch, M, vocab) the same under the full cache.
-        continuation_ids: (batch, M) the continuation tokens.
-        answer: [start, end) answer span in continuation coordinates (start ≥ 1), or None.
-
-    Returns:
-        tokens / nll / kl over the M − 1 predictions; answer_tokens / answer_hits / answer_nll /
-        answer_exact (1 if every answer token is the argmax, per batch row) over the answer span.
+    """Sums of one example's measures: tokens / nll / kl over the M − 1 predictions of ``logits`` (batch, M, vocab)
+    against ``reference_logits`` (the full cache's) and ``continuation_ids`` (batch, M); with an ``answer`` span
+    [start, end) (start ≥ 1), answer_tokens / answer_hits / answer_nll / answer_exact (every answer token the argmax).
     """
     predicted, targets = logits[:, :-1], continuation_ids[:, 1:]
     nll = token_nll(predicted, targets)
@@ -112,15 +100,10 @@ def _ratio(numerator, denominator):
 
 
 def finalize(task_kind: str, sums: dict, full: dict | None) -> dict:
-    """Task metrics from summed ``sums`` (``full``: the full cache's sums of the same examples, for % vs full).
-
-    Values may be numbers (the metric of those sums) or equal-length arrays (a metric per
-    entry: per example, or per bootstrap resample); metrics come back alike.
-
-    ``task_kind``: ``ppl`` (perplexity, its increase over full %, KL), ``passkey`` (accuracy),
-    ``span`` (token accuracy and NLL of the answer span). Every kind also reports kl, the mean
-    kept tokens per (layer, KV head), the KV bytes held and, where timed (the full cache and
-    kvpress's presses), the prefill's wall time per example.
+    """Task metrics from summed ``sums`` (``full``: the full cache's sums of the same examples), numbers or
+    equal-length arrays (per example, or per bootstrap resample) alike: ``ppl`` (perplexity, its increase over
+    full %), ``passkey`` (accuracy), ``span`` (token accuracy and NLL of the answer span); every kind also kl, the
+    kept tokens per (layer, KV head), the bytes held and, where timed, the prefill's wall time per example.
     """
     metrics: dict[str, float] = {}
     if task_kind == "ppl":

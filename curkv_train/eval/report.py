@@ -1,10 +1,6 @@
-"""A run directory: results.json, results.md, one PNG per task metric.
-
-results.md opens with curkv against the best baseline (paired bootstrap verdicts), then per
-task a method × compression-ratio table per quality metric ("value [low, high]", 95 %
-bootstrap intervals over examples) and per budget measure, then the streaming task
-(:mod:`curkv_train.eval.streaming_report`). Every file is written to a temporary name and
-renamed into place (the plots folder is swapped whole)."""
+"""A run directory: results.json, results.md (the verdict, then per task a method × ratio table per metric, then
+the streaming task), one PNG per task metric; every file written to a temporary name and renamed into place.
+"""
 
 from __future__ import annotations
 
@@ -105,9 +101,9 @@ def curkv_summary(results: dict) -> list[str]:
                      f"| {entry['baseline']} {_cell(entry['baseline_value'], name, entry.get('baseline_interval'))} "
                      f"| {delta} | {entry['verdict']} |")
     bootstrap = results.get("bootstrap", {})
-    return lines + ["", "Every compressing row but the scorers' own is a candidate baseline; the best is the best point "
-                    "estimate. "
-                    f"\"wins\" / \"loses\": the paired {100 * bootstrap.get('confidence', 0.95):g} % bootstrap interval "
+    return lines + ["", "Every compressing row but the scorers' own is a candidate baseline; the best is the best "
+                    f"point estimate. \"wins\" / \"loses\": the paired {100 * bootstrap.get('confidence', 0.95):g} % "
+                    "bootstrap interval "
                     f"of {ours} − best (the same examples resampled for both, {bootstrap.get('resamples', '?')} "
                     "resamples) excludes 0 in its favour / against it; otherwise a tie within noise.", ""]
 

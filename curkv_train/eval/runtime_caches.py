@@ -1,11 +1,7 @@
-"""Runtime caches in the evaluation: a recency-scored CurKVCache, chunked feeding, what a cache holds.
+"""Caches text is fed through as generation would: a recency-scored CurKVCache, chunked feeding, what a cache holds.
 
-The harness's ``curkv_cache`` rows and the streaming task run text through a cache as
-generation would: a prefill, then chunks, the cache compressing as it does at run time.
-:class:`RecencyCache` is the same :class:`~curkv_train.runtime.CurKVCache` with the score
-replaced by the token's position, so it keeps the most recent tokens through the very
-selection, tiers and bookkeeping the learned score goes through: the two differ in the
-score only.
+:class:`RecencyCache` is :class:`~curkv_train.runtime.CurKVCache` with the score replaced by the token's
+position: the same selection, tiers and bookkeeping as the learned score, the score alone differs.
 """
 
 from __future__ import annotations
@@ -24,14 +20,9 @@ from curkv_train.runtime.observer import ObservationBuffer
 class RecencyCache(CurKVCache):
     """A CurKVCache whose score is the position: it keeps the sinks, the hot tier and the newest kept tokens.
 
-    With ``cold=False`` that is StreamingLLM's sink + recent window. Every other argument is
-    :class:`CurKVCache`'s; the scorer only supplies the spans and the shapes (it never scores).
-
-    Args:
-        observe: keep the observation the scorer would read (recent queries, query moments,
-            per-token scores) as the learned cache does, so both hold the same bytes at the same
-            settings. False holds none of it: a plain sink + recent cache, which under
-            ``max_bytes`` spends those bytes on tokens.
+    Every argument but ``observe`` is :class:`CurKVCache`'s (the scorer only supplies spans and shapes; without the
+    cold tier this is StreamingLLM's sink + recent window). ``observe``: hold the observation the scorer would read,
+    as the learned cache does, so both hold the same bytes; False holds none (a plain sink + recent cache).
     """
 
     def __init__(self, *args, observe: bool = True, **kwargs) -> None:
@@ -85,15 +76,9 @@ def prefill_cache(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor)
 @torch.no_grad()
 def feed_chunks(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, seen: int, chunk: int,
                 on_step: Callable[[int, int, torch.Tensor], None]) -> None:
-    """Feed ``input_ids`` (1, tokens) after ``seen`` tokens, ``chunk`` at a time, as generation would.
-
-    RoPE positions are the true ones (``seen`` onwards) whatever the cache holds; the causal mask
-    follows the cache (a CurKVCache reports the tokens seen and offsets its held ones; a
-    DynamicCache a press compressed is attended over what it holds).
-
-    Args:
-        on_step: called after each forward with ``(start, stop, logits)``: the chunk's token range
-            [start, stop) in ``input_ids`` and its logits (1, stop − start, vocab) float32.
+    """Feed ``input_ids`` (1, tokens) after ``seen`` tokens, ``chunk`` at a time, at their true RoPE positions (the
+    causal mask follows the cache); ``on_step(start, stop, logits)`` gets each chunk's range in ``input_ids`` and its
+    (1, stop − start, vocab) float32 logits.
     """
     device = input_ids.device
     for start in range(0, input_ids.shape[1], chunk):

@@ -1,11 +1,8 @@
 """Several trained scorers in one evaluation: ``--scorer main=PATH,other=PATH,fresh=init:query_aware``.
 
-Each comma-separated entry is ``label=SOURCE`` or a bare ``SOURCE``; a source is an exported
-scorer folder (or a shipped checkpoint's name) or ``init:FAMILY``, a freshly initialised,
-untrained estimator of that family for the base model (seed 0, default options, n_sink 4,
-window 64). A bare entry is evaluated as method ``curkv``, a labelled one as ``curkv:LABEL``.
-The first entry is the main scorer: the summary's verdict is about it, and it sets the data
-recipe, the base model and the protected spans when they are not given.
+Each entry is ``label=SOURCE`` (rows ``curkv:LABEL``) or a bare ``SOURCE`` (rows ``curkv``); a source is an
+exported scorer folder, a shipped checkpoint's name or ``init:FAMILY`` (an untrained estimator, seed 0). The
+first entry is the main scorer: the verdict is about it, and it sets the recipe, base model and spans.
 """
 
 from __future__ import annotations
@@ -27,11 +24,8 @@ _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 
 @dataclass(frozen=True)
 class ScorerEntry:
-    """One ``--scorer`` entry.
-
-    Attributes:
-        label: the entry's label, or None for a bare source.
-        source: a scorer folder / shipped name, or ``init:FAMILY``.
+    """One ``--scorer`` entry: its ``label`` (None for a bare source) and ``source`` (a folder, a shipped name or
+    ``init:FAMILY``).
     """
 
     label: str | None
@@ -53,11 +47,8 @@ class ScorerEntry:
 
 
 def parse_scorers(spec: str) -> list[ScorerEntry]:
-    """The entries of a ``--scorer`` value (``none``: no scorer, an empty list).
-
-    Raises:
-        CurKVError: an empty entry or label, a label used twice, two bare entries, ``none`` among
-            others, or ``init:`` with an unknown family.
+    """The entries of a ``--scorer`` value (``none``: an empty list); a CurKVError for an empty entry or label, a label
+    used twice, two bare entries, ``none`` among others, or ``init:`` with an unknown family.
     """
     from curkv_train.models.families import check_family
 
@@ -88,10 +79,8 @@ def parse_scorers(spec: str) -> list[ScorerEntry]:
 
 
 def load_trained(entries: list[ScorerEntry]) -> dict[str, Scorer]:
-    """The exported scorers among ``entries`` by method name (``init:`` entries are built later, with the model).
-
-    Raises:
-        CurKVError: a folder that cannot be loaded, or scorers recorded for different base models.
+    """The exported scorers among ``entries`` by method name (``init:`` ones are built later, with the model); a
+    CurKVError for a folder that cannot be loaded, or scorers recorded for different base models.
     """
     from curkv_train.runtime.serialization import load_scorer
 
@@ -108,9 +97,8 @@ def load_trained(entries: list[ScorerEntry]) -> dict[str, Scorer]:
 
 
 def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -> Scorer:
-    """An untrained estimator of ``family`` for ``model`` (seed 0, default options) with the default spans.
-
-    It records ``model``'s fingerprint, so the runtime cache accepts it without a warning.
+    """An untrained estimator of ``family`` for ``model`` (seed 0, default options and spans), recording ``model``'s
+    fingerprint so the runtime cache accepts it.
     """
     from curkv_train.core.shapes import kv_shape
     from curkv_train.models.families import build_estimator

@@ -1,13 +1,11 @@
 """Result rows, bootstrap intervals over examples, and the paired verdict of curkv against the best baseline.
 
-One row per (method, ratio, task): ``metrics`` from the sums over all examples (perplexity from
-summed NLL over summed tokens, ...), ``m@key=value`` the main metric by an example tag (passkey
-depth and length), ``intervals`` the bootstrap interval of every quality metric,
-``example_values`` the main metric of each example and ``example_sums`` the measures all of them
-come from. Examples are resampled with replacement (seeded; the same resamples for every method
-of a task, so differences are paired; examples that are not independent, such as one held-out
-document's, drawn together) and each metric is recomputed from the resampled examples' sums, as
-the point estimate is; intervals are percentiles of those resampled metrics."""
+One row per (method, ratio, task): ``metrics`` from the sums over all examples, ``m@key=value`` the main
+metric by an example tag, ``intervals`` the bootstrap interval of every quality metric, and the per-example
+values and sums. Examples are resampled with replacement (seeded, the same resamples for every method of a
+task, so differences are paired; examples that are not independent drawn together) and every metric is
+recomputed from the resampled sums; intervals are percentiles of those.
+"""
 
 from __future__ import annotations
 
@@ -27,12 +25,8 @@ WINS, LOSES, TIES, TIES_AT_FULL = "wins", "loses", "ties (within noise)", "ties 
 
 @dataclass(frozen=True)
 class Bootstrap:
-    """Percentile bootstrap over examples.
-
-    Attributes:
-        resamples: resamples of the examples.
-        confidence: coverage of the intervals.
-        seed: base seed; each task draws its own resamples from (seed, task).
+    """Percentile bootstrap over examples: ``resamples``, the intervals' ``confidence``, and a ``seed`` (each task draws
+    its own resamples from (seed, task)).
     """
 
     resamples: int = 2000
@@ -45,12 +39,9 @@ class Bootstrap:
                              f"{self.resamples} and {self.confidence}")
 
     def weights(self, examples: int, task: str, groups: Sequence[int] | None = None) -> np.ndarray:
-        """(resamples, examples) how often each example is drawn in each resample.
-
-        The same for every method of ``task``, so differences between methods are paired. With
-        ``groups`` (examples,) (e.g. the document of each segment of a streamed document) whole groups
-        are resampled, each example drawn as often as its group: the examples of one group are not
-        independent, and resampling them one by one would give intervals too narrow.
+        """(resamples, examples) how often each example is drawn in each resample: the same for every method of
+        ``task`` (paired differences); with ``groups`` (examples,) whole groups are drawn, their examples not being
+        independent.
         """
         rng = np.random.default_rng([self.seed, zlib.crc32(task.encode())])
         labels = np.arange(examples) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
@@ -78,12 +69,8 @@ class Bootstrap:
 
 def metric_samples(kind: str, name: str, sums: dict[str, np.ndarray], full: dict[str, np.ndarray] | None,
                    weights: np.ndarray) -> np.ndarray:
-    """(resamples,) metric ``name`` of each resample of the examples.
-
-    Args:
-        sums: key -> (examples,) per-example sums of the method.
-        full: the same for the full cache (the reference of perplexity increase), or None.
-        weights: (resamples, examples) from :meth:`Bootstrap.weights`.
+    """(resamples,) metric ``name`` of each resample (``weights`` (resamples, examples)) of the examples' ``sums``
+    (key -> (examples,)), against the full cache's ``full``.
     """
     resampled_full = total(full, weights) if full else None
     return np.asarray(finalize(kind, total(sums, weights), resampled_full)[name], dtype=np.float64)
@@ -134,20 +121,11 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
               ours: str, reference: str, exclude: Collection[str] = ()) -> list[dict]:
     """Per task and ratio: ``ours`` against the best other compressing method on the task's main metric.
 
-    The best baseline is the best point estimate among every method but ``ours``, the
-    ``reference`` (the full cache) and ``exclude`` (other scorers' rows), the first in method
-    order among equals; the verdict reads the paired bootstrap interval of ours − best on the
-    same examples, resampled by the row's ``example_groups`` where it has them (:func:`verdict`).
-
-    Args:
-        rows: results rows with ``metrics``, ``intervals`` and ``example_sums``.
-        main_metric: task -> its main metric.
-        kinds: task -> metric kind (:func:`curkv_train.eval.metrics.finalize`).
-        exclude: methods that are not baselines (further scorers, the scorer's runtime-cache rows).
-
-    Returns:
-        per (task, ratio) an entry with ``method`` (= ``ours``), its value under the key ``ours``,
-        the best baseline, the paired difference and the verdict.
+    The best is the best point estimate among the ``rows`` (with per-example sums) of every method but ``ours``,
+    the ``reference`` (the full cache) and ``exclude`` (rows that are not baselines), the first in method order
+    among equals; the verdict reads the paired bootstrap interval of ours − best on the same examples
+    (:func:`verdict`). ``main_metric``, ``kinds``: task -> metric, kind. Returns one entry per (task, ratio):
+    ``ours``'s value and interval, the best baseline's, the paired difference and the verdict.
     """
     table = {(row["method"], row["ratio"], row["task"]): row for row in rows}
     methods = list(dict.fromkeys(row["method"] for row in rows))
@@ -184,11 +162,8 @@ def _subset(sums: dict[str, np.ndarray], members: np.ndarray) -> dict[str, np.nd
 
 def breakdowns(kind: str, main: str, sums: dict[str, np.ndarray], full: dict[str, np.ndarray] | None,
                tags: list[dict[str, str]]) -> dict[str, float]:
-    """``main@key=value`` -> the main metric over the examples tagged key=value.
-
-    Args:
-        sums, full: key -> (examples,) per-example sums of the method and of the full cache.
-        tags: per example, its tags (same order).
+    """``main@key=value`` -> the main metric over the examples tagged key=value (``tags``: per example), from the
+    method's and the full cache's per-example ``sums`` and ``full`` (key -> (examples,)).
     """
     labels = sorted({(key, value) for example in tags for key, value in example.items()})
     values = {}
@@ -222,12 +197,8 @@ def result_row(method: str, ratio: float, task: str, kind: str, main: str, sums:
 def result_rows(log: ExampleSums, tags: dict[str, list[dict[str, str]]], main_metric: dict[str, str],
                 kinds: dict[str, str], bootstrap: Bootstrap, reference: str,
                 groups: dict[str, list[str] | None] | None = None) -> list[dict]:
-    """Every cell of ``log`` as a results row; ``reference`` (the full cache, at ratio 0) is every row's baseline.
-
-    Args:
-        tags: task -> per example, its tags (example order).
-        main_metric, kinds: task -> its main metric / metric kind.
-        groups: task -> per example, its resampling unit (:meth:`Bootstrap.weights`), or None (examples one by one).
+    """Every cell of ``log`` as a results row, against ``reference`` (the full cache, at ratio 0); ``tags``, ``groups``
+    (resampling units, None: one by one): task -> per example; ``main_metric``, ``kinds``: task -> metric, kind.
     """
     rows = []
     for method, ratio, task in log.cells:

@@ -26,13 +26,9 @@ METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY, CURKV_CO
 
 @dataclass(frozen=True)
 class MemorySetting:
-    """One memory setting every compressing method runs at.
-
-    Attributes:
-        label: the column label (``0.5``, ``512 tokens``, ``2.0 MiB``).
-        keep_ratio: the runtime cache's keep ratio ρ (1.0 under a fixed budget).
-        max_tokens, max_bytes: the fixed budget, or None.
-        ratio: the compression ratio 1 − ρ of a ratio setting, None for a budget.
+    """One memory setting every compressing method runs at: the column ``label`` (``0.5``, ``512 tokens``, ``2.0 MiB``),
+    the runtime cache's ``keep_ratio`` ρ (1.0 under a budget), the budget ``max_tokens`` / ``max_bytes``, and the
+    compression ``ratio`` 1 − ρ of a ratio setting.
     """
 
     label: str
@@ -77,16 +73,9 @@ def memory_settings(ratios: list[float], budget_tokens: list[int] | None = None,
 
 @dataclass
 class StreamSettings:
-    """How the streaming task runs.
-
-    Attributes:
-        memory: the memory settings (ratios and budgets) every compressing method runs at.
-        prefix: tokens prefilled at once; the perplexity is over the tokens after them.
-        chunk: tokens fed per step after the prefix (1 = token by token).
-        segment: scored tokens per recorded segment (the bootstrap resamples whole documents).
-        backend: compaction / factored-attention kernel backend.
-        seed: bootstrap seed.
-        resamples: bootstrap resamples.
+    """How the streaming task runs: the ``memory`` settings every compressing method runs at; ``prefix`` tokens
+    prefilled at once (the perplexity is over the rest), then ``chunk`` tokens per step; ``segment`` scored tokens
+    per recorded segment; the caches' kernel ``backend``; the bootstrap's ``seed`` and ``resamples``.
     """
 
     memory: list[MemorySetting]
@@ -123,13 +112,8 @@ class StreamMethod:
 
 def stream_methods(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: Scorer, settings: StreamSettings, *,
                    main: str | None) -> list[StreamMethod]:
-    """Every streaming method.
-
-    Args:
-        scorers: the trained scorers by method name (``curkv``, ``curkv:LABEL``); the first is the main one.
-        carrier: the scorer whose spans and observation the recency caches copy (the main scorer, or a
-            fresh one without a scorer).
-        main: the main scorer's method name (``curkv`` or ``curkv:LABEL``), or None without a scorer.
+    """Every streaming method: ``scorers`` by method name (``curkv``, ``curkv:LABEL``; ``main`` the main one's, None
+    without a scorer); ``carrier``: the scorer whose spans and observation the recency caches copy.
     """
     backend = settings.backend
     suffix = main[len(CURKV):] if main else ""

@@ -1,29 +1,20 @@
 """The streaming task: long held-out documents fed through a cache as generation would see them.
 
-Each document (``stream_text``: CPython's long prose files no training source reads;
-``stream_code``: the longest held-out standard-library files) is prefilled for its first
-``prefix`` tokens, then fed ``chunk`` tokens at a time, the cache re-compressing as at run time;
-the measure is the perplexity over every token after the prefix, against the full cache's.
-Every compressing row runs at the same memory setting: a compression ratio (the runtime
-cache's keep ratio 1 − ratio) or a fixed budget (``max_tokens`` per (layer, KV head) or
-``max_bytes`` for the whole cache). The rows (:func:`~curkv_train.eval.stream_rows.stream_methods`):
-
-- ``full``: a DynamicCache, nothing dropped;
-- ``streaming_llm``: sinks + the newest tokens (a :class:`RecencyCache` without observation or
-  layer budget: ``curkv``'s token count on average over layers, fewer bytes);
-- ``curkv``: CurKVCache with the trained scorer at the runtime defaults (its calibrated layer
-  budget if any); ``curkv_uniform`` one keep ratio for every layer; ``curkv_score_only`` every
-  kept place by score (``recent_share=0``); ``curkv_cold`` / ``curkv_compensated`` + the cold CUR
-  tier without / with residual compensation;
-- ``recency``: ``curkv``'s cache with score = position (same tiers, selection, budget and bytes);
-- every further scorer of ``--scorer`` at the runtime defaults (``curkv:LABEL``).
-
-The training-free rows are rules inside the runtime cache, which compresses while decoding;
-kvpress's presses compress once, in the prefill, and run in the one-prefill tasks.
-
-Bytes held are :meth:`CurKVCache.nbytes` or a DynamicCache's K/V tensors, measured after every
-step (rows report their mean and their end value). Intervals resample held-out files, each
-file's ``segment``-token stretches of scored tokens drawn together."""
+Each document (``stream_text``: CPython's prose files no training source reads; ``stream_code``: the
+longest held-out standard-library files) is prefilled for its first ``prefix`` tokens, then fed
+``chunk`` tokens at a time; the measure is the perplexity over every token after the prefix against
+the full cache's. Every compressing row runs at each memory setting: a compression ratio (the runtime
+cache's keep ratio 1 − ratio) or a budget (``max_tokens`` per (layer, KV head), ``max_bytes`` in all).
+Rows (:func:`~curkv_train.eval.stream_rows.stream_methods`): ``full`` (a DynamicCache);
+``streaming_llm`` (sinks + newest tokens, a :class:`RecencyCache` without observation or layer budget);
+``curkv`` (CurKVCache with the trained scorer at the runtime defaults) and its variants
+``curkv_uniform`` (one keep ratio for every layer), ``curkv_score_only`` (``recent_share=0``),
+``curkv_cold`` / ``curkv_compensated`` (+ the cold CUR tier without / with compensation); ``recency``
+(``curkv``'s cache with score = position: same tiers, budget and bytes); every further scorer
+(``curkv:LABEL``). kvpress's presses compress once, in the prefill: they run in the one-prefill tasks.
+Bytes held (``CurKVCache.nbytes`` or the K/V tensors) are measured after every step; intervals resample
+held-out files, each file's ``segment``-token stretches drawn together.
+"""
 
 from __future__ import annotations
 
@@ -47,13 +38,8 @@ MAIN_METRIC = "ppl_increase_pct"
 
 @dataclass
 class StreamTrace:
-    """What one streamed document gave.
-
-    Attributes:
-        nll: (scored,) float64 NLL of every token after the prefix, in order.
-        steps: per step, (first scored index it predicted, bytes held, tokens held per (layer, KV head),
-            tokens seen) measured after it.
-        seconds: wall time of the run.
+    """One streamed document: ``nll`` (scored,) float64 of every token after the prefix; per step, ``steps``
+    (first scored index it predicted, bytes held, tokens held per (layer, KV head), tokens seen); ``seconds``.
     """
 
     nll: np.ndarray
@@ -123,14 +109,12 @@ class _Cell:
 def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamDocument]], methods: list[StreamMethod],
                        settings: StreamSettings, progress: Callable[[str], None] | None = None,
                        main: str | None = CURKV) -> dict:
-    """Stream every document through every method at every memory setting; rows, summary and records.
+    """Stream every document through every method at every memory setting.
 
     Returns:
-        {"rows": per (method, setting, task) a results row (:func:`curkv_train.eval.statistics.result_row`,
-        plus ``setting``, the end / mean bytes and the bytes as % of the full cache's), "summary": the main
-        scorer against recency and the best other method, "settings", "documents": per task the sources of
-        each document, "seconds_per_document": {task: float}, "bootstrap",
-        "prefix", "chunk", "segment", "length"}.
+        {"rows": per (method, setting, task) a results row (:func:`~curkv_train.eval.statistics.result_row`, plus
+        ``setting`` and the bytes held), "summary" (:func:`summarize_streaming`), "settings", "documents",
+        "seconds_per_document", "bootstrap", "prefix", "chunk", "segment"}.
     """
     cells: dict[tuple[str, str, str], _Cell] = {}
     seconds: dict[str, float] = {}
@@ -164,7 +148,8 @@ def _joined(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
-def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings, units: dict[str, list[str]]) -> list[dict]:
+def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings,
+          units: dict[str, list[str]]) -> list[dict]:
     """One results row per cell; ``units``: task -> per document, the bootstrap's unit (its segments are drawn with
     every other document's of that unit)."""
     ratios = {memory.label: memory.ratio for memory in settings.memory}

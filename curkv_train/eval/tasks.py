@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from curkv_train.core.errors import CurKVError
-from curkv_train.eval.heldout import PYTHON_TEXT, DocumentSource, HeldOutText, held_out_text, join_texts, training_hashes
+from curkv_train.eval.heldout import PYTHON_TEXT, DocumentSource, HeldOutText, held_out_text, join_texts
+from curkv_train.eval.heldout import training_hashes
 from curkv_train.training.data.synthetic import SYNTHETIC_TASKS, passkey, repeated_span
 
 # task -> (metric kind for curkv_train.eval.metrics.finalize, token stream it reads)
@@ -38,17 +39,10 @@ SPAN_CUE = 8
 
 @dataclass
 class TaskExample:
-    """One held-out example.
-
-    Attributes:
-        task: task name (a key of :data:`TASKS`).
-        input_ids: (1, context + continuation) token ids.
-        context_length: tokens of the compressed context.
-        answer: [start, end) answer span in continuation coordinates, or None (whole continuation).
-        tags: breakdown labels, e.g. {"depth": "0.5", "length": "1024"}.
-        documents: ids of the held-out documents a perplexity example's tokens came from.
-        group: the bootstrap's resampling unit: for a perplexity example the document most of its tokens came
-            from (examples of one document are not independent); "" for a synthetic example, a unit of its own.
+    """One held-out example of ``task``: ``input_ids`` (1, context + continuation), the compressed ``context_length``,
+    the ``answer`` span [start, end) in continuation coordinates (None: the whole continuation), breakdown ``tags``
+    ({"depth": "0.5", ...}), the held-out ``documents`` its tokens came from and the bootstrap's resampling
+    ``group`` (a perplexity example's main document; "" for a synthetic example, a unit of its own).
     """
 
     task: str
@@ -72,11 +66,8 @@ def check_tasks(names: list[str], valid=TASKS) -> list[str]:
 
 @dataclass(frozen=True)
 class DataRecipe:
-    """The document sources a scorer was trained on: the evaluation reads their validation split.
-
-    Attributes:
-        sources: every document source of the training mix (a synthetic task counts as its filler).
-        origin: ``scorer recipe`` (read from the scorer's metadata) or ``default`` (:data:`DEFAULT_SOURCES`).
+    """The document ``sources`` a scorer was trained on (a synthetic task counts as its filler), whose validation
+    split the evaluation reads; ``origin``: ``scorer recipe`` (from its metadata) or ``default``.
     """
 
     sources: tuple[DocumentSource, ...]
@@ -173,12 +164,9 @@ def _block_starts(stream_length: int, length: int, examples: int, seed: int, tas
 def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.ndarray], *, context_length: int,
                    continuation_length: int, examples: int, seed: int, protected: tuple[int, int],
                    passkey_depths: list[float], passkey_lengths: list[int]) -> list[TaskExample]:
-    """``examples`` examples of ``task``: perplexity examples blocks of the held-out stream (:func:`_block_starts`),
+    """``examples`` examples of ``task`` from ``streams`` (:func:`load_streams`, or their tokens): perplexity examples
+    blocks of the stream (:func:`_block_starts`), synthetic answers outside the ``protected`` (n_sink, window) spans,
     passkey examples cycling over the (length, depth) grid.
-
-    Args:
-        streams: token streams by name (see :func:`load_streams`), or their tokens.
-        protected: (n_sink, window), spans the synthetic answers are placed outside of.
     """
     kind, stream_name = TASKS[task]
     held_out = streams[stream_name]

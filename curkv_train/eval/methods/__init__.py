@@ -1,18 +1,11 @@
-"""Every method of the one-prefill tasks, each compressing one a kvpress press run through one path.
+"""Every method of the one-prefill tasks; each compressing one runs a kvpress press (one path for all).
 
-``full`` is the uncompressed reference. Every other row compresses the context inside its
-prefill under a kvpress press (:func:`curkv_train.eval.kvpress_bridge.press_cache`) and keeps,
-per (layer, KV head), the sinks, the recent window and the best-scored ⌈ρ·n_compressible⌉ of
-the rest: kvpress's top-k over the row's scores, so the rows differ in their scores only.
-
-- the baselines are kvpress's presses, their sinks and window kept
-  (:func:`~curkv_train.eval.kvpress_bridge.baseline_method`); ``h2o`` is ours
-  (:class:`~curkv_train.eval.baseline_presses.H2OPress`: kvpress has no accumulated-attention press);
-- ``curkv`` is the trained scorer's :class:`~curkv_train.runtime.press.CurKVPress` at its calibrated
-  layer budget (kvpress's PerLayerCompressionPress), ``curkv_uniform`` the same at one ratio;
-- ``curkv_cache`` is no press: the harness runs the scorer through the runtime CurKVCache (its tiers,
-  re-compressing during the continuation) and reports it next to the press's rows.
-"""
+``full`` is the uncompressed reference. Every other row compresses the context inside its prefill under a
+kvpress press (:mod:`curkv_train.eval.kvpress_bridge`) keeping, per (layer, KV head), the sinks, the recent
+window and the best-scored ⌈ρ·n_compressible⌉ of the rest, so the rows differ in their scores only: the
+baselines kvpress's presses (``h2o``: ours, :class:`~curkv_train.eval.baseline_presses.H2OPress`), ``curkv``
+the trained scorer's CurKVPress at its calibrated layer budget, ``curkv_uniform`` at one ratio.
+``curkv_cache`` is no press: the harness runs the scorer through the runtime CurKVCache."""
 
 from __future__ import annotations
 
@@ -58,16 +51,13 @@ def scorer_method(scorer: Scorer, budgeted: bool = True) -> PressMethod:
 
 def build_methods(names: list[str], scorer: Scorer | dict[str, Scorer] | None, *, n_sink: int = 4,
                   window: int = 64, baseline_budget: LayerBudget | None = None) -> dict[str, PressMethod | None]:
-    """Each row's press by method name (``full`` -> None), validated against :data:`METHODS`.
+    """Each row's press by method name (``full`` -> None; ``curkv_cache`` is left to the harness).
 
     Args:
-        scorer: the trained scorer, or several by method name (``curkv``, ``curkv:LABEL``): ``curkv``
-            in ``names`` then gives each of them a row, and each with a calibrated layer budget a
-            second row at one ratio for every layer (``curkv_uniform``, ``curkv_uniform:LABEL``).
-            ``curkv_cache`` has no press and is left to the harness.
+        scorer: the trained scorer, or several by method name (``curkv``, ``curkv:LABEL``): ``curkv`` in ``names``
+            gives each a row, and each with a calibrated layer budget a ``curkv_uniform[:LABEL]`` row at one ratio.
         n_sink, window: the spans every baseline keeps (the scorers' rows keep their scorer's).
-        baseline_budget: a layer budget the baselines' counts follow too (``--budget_baselines``); None: one
-            ratio for every layer.
+        baseline_budget: a layer budget the baselines' counts follow too (``--budget_baselines``).
 
     Raises:
         CurKVError: an unknown name, or ``curkv`` without a scorer.
