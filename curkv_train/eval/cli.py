@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +24,6 @@ from curkv_train.eval.methods import BASELINES, CURKV, CURKV_CACHE, CURKV_UNIFOR
 from curkv_train.eval.methods import build_methods, check_methods
 from curkv_train.eval.report import write_run
 from curkv_train.eval.scorer_entries import ScorerEntry, build_scorers, fresh_scorer, load_trained, parse_scorers
-from curkv_train.eval.scorer_entries import with_spans
 from curkv_train.eval.stream_rows import StreamSettings, check_memory, memory_settings, select_rows, stream_methods
 from curkv_train.eval.streaming import evaluate_streaming
 from curkv_train.eval.tasks import SPAN_CUE, TASKS, DataRecipe, build_examples, check_tasks, load_streams
@@ -44,59 +43,55 @@ class EvalConfig:
     """Evaluate KV-cache compression methods; write results.json, results.md and plots/.
 
     Args:
-        scorer: exported scorer folder (checkpoints/NAME, or the name of a shipped checkpoint), ``none``
-            for the baselines only, or several comma-separated entries ``LABEL=SOURCE`` (rows
-            ``curkv:LABEL``; one entry may stay bare: rows ``curkv``), where SOURCE is a folder or
-            ``init:FAMILY`` (an untrained estimator of that family, seed 0). The first entry is the main
-            scorer: the summary is about it, and its base, recipe and spans are the run's defaults.
-        base: base model (hub id, folder, ``embedded:NAME``, ``tiny-random-llama``); default: the
-            scorer's base, or embedded SmolLM2-135M-Instruct without a scorer.
+        scorer: exported scorer folder (checkpoints/NAME, or a shipped checkpoint's name), ``none`` for the
+            baselines only, or comma-separated ``LABEL=SOURCE`` entries (rows ``curkv:LABEL``; one may stay bare:
+            rows ``curkv``), SOURCE a folder or ``init:FAMILY`` (an untrained estimator, seed 0). The first entry
+            is the main scorer: the summary is about it; its base, recipe and spans are the run's defaults.
+        base: base model (hub id, folder, ``embedded:NAME``, ``tiny-random-llama``); default: the scorer's base,
+            or embedded SmolLM2-135M-Instruct without a scorer.
         ratios: compression ratios, comma-separated (0.7 drops 70 % of the compressible tokens).
         tasks: comma-separated subset of ppl_text, ppl_code, passkey, repeated_span (prefill tasks) and
             stream_text, stream_code (streaming: long documents fed through each cache in chunks).
-        methods: comma-separated subset of full, random, streaming_llm, h2o, snapkv, tova, knorm,
-            curdkv, expected_attention, curkv, curkv_cache (the scorer through the runtime CurKVCache);
-            default all (curkv and curkv_cache only with a scorer). A scorer with a calibrated layer
-            budget keeps ρ per layer in its curkv rows and gets a curkv_uniform row beside them (one
-            ratio for every layer). Prefill tasks only: the streaming task runs its own methods.
+        methods: prefill tasks: comma-separated subset of full, random, streaming_llm, h2o, snapkv, tova, knorm,
+            curdkv, expected_attention, curkv, curkv_cache (the scorer through the runtime CurKVCache); default all
+            (curkv, curkv_cache with a scorer). A scorer with a calibrated layer budget keeps ρ per layer in its
+            curkv rows and gets a curkv_uniform row (one ratio for every layer).
         out: run directory.
         context_length: context tokens per example (compressed).
         continuation_length: continuation tokens per example (scored).
         examples: examples per task.
         seed: seed of the held-out examples and of the presses that sample.
-        n_sink: always-kept leading tokens; default the main scorer's (else 4). Every row protects them: the
-            presses' selections, and the runtime caches (curkv_cache, the streaming rows) as their sinks.
-        window: always-kept recent tokens; default the main scorer's (else 64). Every row protects them: the
-            presses' selections, and the runtime caches as their window (the hot tier is ``hot_windows`` of them).
+        n_sink: always-kept leading tokens of every row (the presses' selections, the runtime caches' sinks);
+            default the main scorer's, else 4.
+        window: always-kept recent tokens of every row (the runtime caches' window: their hot tier is
+            ``hot_windows`` of them); default the main scorer's, else 64.
         passkey_depths: passkey needle depths, comma-separated, in [0, 1].
         passkey_lengths: passkey context lengths; default context_length / 2 and context_length.
-        kvpress: prefill tasks: also run kvpress's presses as kvpress ships them (their own protected tokens) as
-            ``kvpress:<name>`` rows.
+        kvpress: prefill tasks: also run kvpress's presses as kvpress ships them (their own protected tokens),
+            rows ``kvpress:<name>``.
         kvpress_budget: ``kvpress:<name>`` rows: ``matched`` (as many tokens as every other row) or ``nominal``.
         kvpress_presses: comma-separated subset of kvpress's presses (streaming_llm, snapkv, tova, knorm,
-            expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff,
-            lagkv); default every one the installed kvpress provides. Prefill tasks only.
-        dtype: base model dtype (float32, bfloat16, float16). In half precision the reference and the rows
-            run different kernels (one forward vs batches or chunks) and round differently: ratio 0.0 shows that floor.
-        backend: kernel backend of the runtime caches (curkv_cache and the streaming rows: auto, torch, triton).
-        batch: continuations of equal cache length run together, at most this many per forward
-            (memory: batch × continuation_length × vocabulary float32 logits).
+            expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff, lagkv);
+            default every one the installed kvpress provides.
+        dtype: base model dtype. In half precision the reference and the rows run different kernels (one forward
+            vs batches or chunks) and round differently: ratio 0.0 shows that floor.
+        backend: kernel backend of the runtime caches (curkv_cache and the streaming rows).
+        batch: continuations of equal cache length run together, at most this many per forward (memory: batch ×
+            continuation_length × vocabulary float32 logits).
         stream_length: tokens per streamed document (prefix included).
         stream_prefix: tokens prefilled at once; the streaming perplexity is over the tokens after them.
         stream_chunk: tokens fed per step after the prefix (1 = token by token).
         stream_documents: documents per streaming task, at most.
-        stream_segment: scored tokens per recorded segment of the streaming task (its bootstrap resamples
-            held-out files).
-        stream_rows: streaming task: comma-separated subset of its rows (full, streaming_llm, curkv,
-            curkv_uniform, curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL);
-            default all; ``full`` always runs.
-        budget_tokens: streaming task: also run every compressing method under a fixed budget of this
-            many tokens per (layer, KV head), comma-separated budgets (the runtime cache's max_tokens).
-        budget_bytes: streaming task: fixed budgets in bytes for the whole cache (max_bytes).
-        budget_baselines: prefill tasks: the baselines' presses follow the main scorer's calibrated layer
-            budget too (the allocation without the learned scores; ``kvpress:<name>`` rows keep one ratio).
-        scorer_precision: every scorer's query-feature products: ``highest`` (float32, as trained) or
-            ``medium`` (bfloat16 operands, faster on CPUs with bf16 instructions; docs/runtime.md).
+        stream_segment: scored tokens per recorded segment (the bootstrap resamples held-out files).
+        stream_rows: comma-separated subset of the streaming rows (full, streaming_llm, curkv, curkv_uniform,
+            curkv_score_only, curkv_cold, curkv_compensated, recency, curkv:LABEL); default all; ``full`` always runs.
+        budget_tokens: streaming task: also run every compressing row under these budgets of tokens per (layer,
+            KV head), comma-separated (the runtime cache's max_tokens).
+        budget_bytes: streaming task: budgets in bytes for the whole cache (max_bytes).
+        budget_baselines: prefill tasks: the baselines' presses follow the main scorer's calibrated layer budget
+            too (the allocation without the learned scores; ``kvpress:<name>`` rows keep one ratio).
+        scorer_precision: every scorer's query-feature products: ``highest`` (float32, as trained) or ``medium``
+            (bfloat16 operands, faster on CPUs with bf16 instructions; docs/runtime.md).
     """
 
     scorer: str
@@ -142,7 +137,9 @@ def run_eval(config: EvalConfig) -> Path:
     settings = _settings(config, trained.get(main.method) if main else None)
     names = list(config.methods) if config.methods else [FULL, *BASELINES, *(SCORER_METHODS if entries else [])]
     names = check_methods(names, bool(entries))
-    lengths = list(config.passkey_lengths or _default_passkey_lengths(config.context_length, settings))
+    half = config.context_length // 2
+    lengths = list(config.passkey_lengths or ([half] if half > settings.n_sink + settings.window else []) + [
+        config.context_length])
     if prefill_tasks:
         _check_shapes(settings, config, lengths, prefill_tasks)
     stream = _stream_settings(config) if streaming_tasks else None
@@ -174,7 +171,9 @@ def run_eval(config: EvalConfig) -> Path:
         results["streaming"] = evaluate_streaming(model, documents, rows, stream, progress=progress,
                                                   main=main.method if main else None)
         results["streaming"]["length"] = config.stream_length
-    resolved = {"scorers": {entry.method: _describe(entry, scorers[entry.method]) for entry in entries},
+    resolved = {"scorers": {entry.method: {"source": entry.source, "family": scorers[entry.method].family,
+                                           "n_sink": settings.n_sink, "window": settings.window,
+                                           "trained": entry.family is None} for entry in entries},
                 "base": base, "tasks": tasks, "methods": [*presses, *cache_methods], "n_sink": settings.n_sink,
                 "window": settings.window, "passkey_lengths": lengths, "kvpress_presses": settings.kvpress_presses,
                 "data": {"recipe": recipe.origin, "sources": recipe.record(),
@@ -218,7 +217,8 @@ def _stream_rows(model, scorers: dict[str, Scorer], main: ScorerEntry | None, ba
                  config: EvalConfig, spans: tuple[int, int]) -> list:
     """The streaming task's rows (``--stream_rows`` of them), after checking the length against the model and the
     memory the rows would take; ``spans``: the run's (n_sink, window)."""
-    carrier = scorers[main.method] if main else with_spans(fresh_scorer("seed", model, base), *spans)
+    carrier = scorers[main.method] if main else replace(fresh_scorer("seed", model, base), n_sink=spans[0],
+                                                        window=spans[1])
     stream.check_length(config.stream_length, getattr(text_config(model.config), "max_position_embeddings", None))
     check_memory(model, scorers, carrier, stream)
     rows = stream_methods(model, scorers, carrier, stream, main=main.method if main else None)
@@ -256,17 +256,6 @@ def main_budget(scorer: Scorer | None) -> LayerBudget:
         raise CurKVError("--budget_baselines needs a main scorer with a calibrated layer budget "
                          "(curkv-train calibrate --scorer DIR)")
     return scorer.layer_budget
-
-
-def _describe(entry: ScorerEntry, scorer: Scorer) -> dict:
-    """What results.json records of one scorer: its source, family and spans."""
-    return {"source": entry.source, "family": scorer.family, "n_sink": scorer.n_sink, "window": scorer.window,
-            "trained": entry.family is None}
-
-
-def _default_passkey_lengths(context_length: int, settings: EvalSettings) -> list[int]:
-    half = context_length // 2
-    return [half, context_length] if half > settings.n_sink + settings.window else [context_length]
 
 
 def _check_shapes(settings: EvalSettings, config: EvalConfig, passkey_lengths: list[int], tasks: list[str]) -> None:

@@ -7,13 +7,8 @@ import time
 import torch
 
 
-def synchronize() -> None:
-    """Wait for queued GPU work, so a wall clock read after it counts that work (no-op without CUDA in use)."""
+def clock() -> float:
+    """``time.perf_counter()`` (seconds) after queued GPU work has drained, so a time read after it counts that work."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-def clock() -> float:
-    """``time.perf_counter()`` after the GPU's queue has drained (seconds)."""
-    synchronize()
     return time.perf_counter()

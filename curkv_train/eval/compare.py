@@ -42,12 +42,6 @@ def _cells(results: dict) -> dict[tuple[str, str, str], tuple]:
     return cells
 
 
-def _row_at(cells: dict, method: str, setting: str, task: str, full_row: dict | None) -> dict | None:
-    """``method``'s row at (setting, task), the full cache's being ``full_row`` (the task's reference) at any setting."""
-    cell = cells.get((method, setting, task))
-    return cell[0] if cell else (full_row if method == FULL else None)
-
-
 def compare_methods(results: dict, first: str, second: str, metric: str | None = None) -> list[dict]:
     """Per (task, setting) where both methods have rows: ``first`` − ``second`` (method names of ``results``, a run's
     results.json) on the task's main metric, or on ``metric`` where the rows' per-example sums give it; the full
@@ -78,7 +72,9 @@ def compare_methods(results: dict, first: str, second: str, metric: str | None =
             if metric not in given:
                 continue
             name = metric
-        rows = {method: _row_at(cells, method, setting, task, full_row) for method in (first, second)}
+        # the full cache's row (the task's reference) pairs at any setting
+        rows = {method: cells[(method, setting, task)][0] if (method, setting, task) in cells
+                else full_row if method == FULL else None for method in (first, second)}
         if None in rows.values():
             continue
         ours = example_sums(rows[first])

@@ -1,6 +1,5 @@
 """Compressed caches and their continuation: RoPE positions continue from the true context length, cache
-positions (what the causal mask is built from) from the kept length.
-"""
+positions (what the causal mask is built from) from the kept length."""
 
 from __future__ import annotations
 
@@ -19,10 +18,8 @@ def cache_from_layers(model: PreTrainedModel, keys: list[torch.Tensor], values: 
 @torch.no_grad()
 def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor,
                         context_length: int) -> torch.Tensor:
-    """Logits (batch, M, vocab) float32 of ``continuation_ids`` (batch, M) after a (compressed) context.
-
-    ``cache`` is extended in place by the continuation; build a fresh one per run.
-    """
+    """Logits (batch, M, vocab) float32 of ``continuation_ids`` (batch, M) after a (compressed) context; ``cache`` is
+    extended in place by the continuation (build a fresh one per run)."""
     held = cache.get_seq_length()
     count = continuation_ids.shape[1]
     device = continuation_ids.device
@@ -40,8 +37,7 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
 def batched_continuation_logits(model: PreTrainedModel, caches: list[DynamicCache], continuation_ids: torch.Tensor,
                                 context_length: int, max_batch: int = 8) -> list[torch.Tensor]:
     """Per cache of ``caches`` (batch 1, left unmodified), the (1, M, vocab) float32 logits of ``continuation_ids``
-    (1, M) after it; caches of equal lengths in every layer run as one batch of at most ``max_batch``.
-    """
+    (1, M) after it; caches of equal lengths in every layer run as one batch of at most ``max_batch``."""
     logits: list[torch.Tensor | None] = [None] * len(caches)
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, cache in enumerate(caches):

@@ -33,10 +33,8 @@ from curkv_train.runtime.scorer import Scorer
 
 @dataclass
 class EvalSettings:
-    """How every method is run: the options of :class:`~curkv_train.eval.cli.EvalConfig` of the same names
-    (``max_batch``: ``--batch``; ``kvpress_presses`` None: every installed press), and the bootstrap
-    (``resamples``, seeded by ``seed``) behind every interval and verdict.
-    """
+    """How every method is run: the :class:`~curkv_train.eval.cli.EvalConfig` options of the same names (``max_batch``:
+    ``--batch``) and the bootstrap (``resamples``, seeded by ``seed``) behind every interval and verdict."""
 
     ratios: list[float]
     n_sink: int = 4

@@ -124,8 +124,7 @@ class HeldOutText:
     the source ``kind`` and ``val_fraction`` it reads (``a+b`` for a stream joined from ``parts``, their records), and
     its ``origin`` (``scorer recipe``, ``default`` or ``never trained``); validation ``documents`` read, ``pieces``
     left, ``validation_tokens`` before cutting and ``removed_tokens`` cut; ``unchecked`` training sources that
-    could not be read; ``document_ids`` (tokens,) the index into ``names`` of each token's document.
-    """
+    could not be read; ``document_ids`` (tokens,) the index into ``names`` of each token's document."""
 
     tokens: np.ndarray
     kind: str

@@ -1,12 +1,10 @@
 """Every compressing row of the one-prefill tasks runs a kvpress press inside the context's prefill.
 
-kvpress keeps ``int(n·(1 − compression_ratio))`` of all n tokens per (layer, KV head). A row's
-:class:`PressMethod` sets that ratio so the row keeps our selection's count (sinks + window +
-⌈ρ·n_compressible⌉, :func:`press_ratio`), per layer under a layer budget (kvpress's
-PerLayerCompressionPress); ``kvpress:<name>`` rows (``--kvpress``) run kvpress's presses as
-kvpress ships them, at that count (``matched``) or at the ratio as given (``nominal``). Every
-press drops the keys it evicts, so every row's memory is what it keeps: kvpress's masked presses
-(AdaKV, KVzip), which keep the whole cache and hide keys from the attention, are not run."""
+kvpress keeps ``int(n·(1 − r))`` of all n tokens per (layer, KV head); a row's :class:`PressMethod` sets r so
+the row keeps our selection's count (sinks + window + ⌈ρ·n_compressible⌉, :func:`press_ratio`), per layer
+under a layer budget (kvpress's PerLayerCompressionPress). ``kvpress:<name>`` rows (``--kvpress``) run
+kvpress's presses as shipped, at that count or at the ratio as given. Every press drops what it evicts:
+kvpress's masked presses (AdaKV, KVzip: the whole cache kept, keys hidden) are not run."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ from curkv_train.runtime.allocation import LayerBudget
 
 @dataclass(frozen=True)
 class PressSpec:
-    """How the harness runs one press: kvpress's class ``cls`` (skipped where the installed kvpress lacks it), or
-    one of :mod:`curkv_train.eval.baseline_presses` for :data:`OWN_PRESSES`; ``eager``: it reads attention
-    weights, so the prefill runs with eager attention."""
+    """How the harness runs a press: kvpress's class ``cls`` (skipped where this kvpress lacks it) or one of
+    :mod:`curkv_train.eval.baseline_presses`; ``eager``: it reads attention weights (the prefill runs eager)."""
 
     cls: str
     eager: bool = False
@@ -95,18 +92,6 @@ def press_ratio(context_length: int, compression_ratio: float, *, n_sink: int, w
     return max(0.0, 1.0 - (kept + 0.5) / context_length)  # int(n · (kept + 0.5) / n) == kept, free of truncation
 
 
-@contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    """Warnings of ``logger`` silenced inside the block (errors still shown)."""
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int, seed: int | None):
     """Press ``name`` (of :data:`PRESSES` or :data:`OWN_PRESSES`), its sinks and SnapKV's observation window
     aligned with ours; ``seed`` None: RandomPress draws from the global generator (:func:`press_cache` seeds it).
@@ -129,8 +114,7 @@ def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int,
 class PressMethod:
     """A compressing row: how the harness runs its press (``spec``), the press at a compression ratio (``make``:
     (ratio, seed) -> press), the ``layer_budget`` its per-layer counts follow (None: one ratio for every layer),
-    and whether it keeps our selection's count (``matched``; False: ``--kvpress_budget`` decides).
-    """
+    and whether it keeps our selection's count (``matched``; False: ``--kvpress_budget`` decides)."""
 
     spec: PressSpec
     make: Callable[[float, int | None], object]
@@ -148,8 +132,13 @@ class PressMethod:
         ratios = [press_ratio(context_length, 1.0 - layer_keep, n_sink=n_sink, window=window, budget="matched")
                   for layer_keep in self.layer_budget.ratios(keep)]
         # it warns that it needs flash attention: the runtime's attention wrapper fits each layer's mask instead
-        with _quiet("kvpress.presses.per_layer_compression_press"):
+        log = logging.getLogger("kvpress.presses.per_layer_compression_press")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
             return _kvpress().PerLayerCompressionPress(self.make(0.0, seed), ratios)
+        finally:
+            log.setLevel(level)
 
 
 def baseline_method(name: str, *, n_sink: int, window: int, layer_budget: LayerBudget | None = None) -> PressMethod:

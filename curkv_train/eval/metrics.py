@@ -28,11 +28,6 @@ def token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tens
     return (reference.exp() * (reference - compressed)).sum(dim=-1)
 
 
-def greedy_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(batch, M) bool: the argmax of logits (batch, M, vocab) equals the target (teacher-forced)."""
-    return logits.argmax(dim=-1) == targets
-
-
 def perplexity(nll_sum, count):
     """exp(mean NLL); NaN without predictions. Numbers or arrays (elementwise)."""
     return _number(np.exp(_ratio(nll_sum, count)))
@@ -42,8 +37,7 @@ def continuation_sums(logits: torch.Tensor, reference_logits: torch.Tensor, cont
                       answer: tuple[int, int] | None) -> dict[str, float]:
     """Sums of one example's measures: tokens / nll / kl over the M − 1 predictions of ``logits`` (batch, M, vocab)
     against ``reference_logits`` (the full cache's) and ``continuation_ids`` (batch, M); with an ``answer`` span
-    [start, end) (start ≥ 1), answer_tokens / answer_hits / answer_nll / answer_exact (every answer token the argmax).
-    """
+    [start, end) (start ≥ 1), answer_tokens / answer_hits / answer_nll / answer_exact (all its tokens the argmax)."""
     predicted, targets = logits[:, :-1], continuation_ids[:, 1:]
     nll = token_nll(predicted, targets)
     sums = {"examples": float(targets.shape[0]), "tokens": float(targets.numel()), "nll": float(nll.sum()),
@@ -53,7 +47,7 @@ def continuation_sums(logits: torch.Tensor, reference_logits: torch.Tensor, cont
         if start < 1 or end <= start or end > continuation_ids.shape[1]:
             raise ValueError(f"answer span [{start}, {end}) must lie in [1, {continuation_ids.shape[1]}]")
         rows = slice(start - 1, end - 1)
-        hits = greedy_hits(predicted[:, rows], targets[:, rows])
+        hits = predicted[:, rows].argmax(dim=-1) == targets[:, rows]  # teacher-forced greedy hits
         sums.update(answer_tokens=float(hits.numel()), answer_hits=float(hits.sum()),
                     answer_nll=float(nll[:, rows].sum()), answer_exact=float(hits.all(dim=-1).sum()))
     return sums
@@ -100,10 +94,9 @@ def _ratio(numerator, denominator):
 
 
 def finalize(task_kind: str, sums: dict, full: dict | None) -> dict:
-    """Task metrics from summed ``sums`` (``full``: the full cache's sums of the same examples), numbers or
-    equal-length arrays (per example, or per bootstrap resample) alike: ``ppl`` (perplexity, its increase over
-    full %), ``passkey`` (accuracy), ``span`` (token accuracy and NLL of the answer span); every kind also kl, the
-    kept tokens per (layer, KV head), the bytes held and, where timed, the prefill's wall time per example.
+    """Task metrics from summed ``sums`` (``full``: the full cache's sums of the same examples), numbers or arrays (per
+    example or bootstrap resample) alike: ``ppl`` (perplexity, its increase over full %), ``passkey`` (accuracy),
+    ``span`` (answer token accuracy and NLL); every kind also kl, kept tokens, bytes held and, if timed, prefill time.
     """
     metrics: dict[str, float] = {}
     if task_kind == "ppl":

@@ -1,13 +1,11 @@
 """A run directory: results.json, results.md (the verdict, then per task a method × ratio table per metric, then
-the streaming task), one PNG per task metric; every file written to a temporary name and renamed into place.
-"""
+the streaming task), one PNG per task metric; every file written to a temporary name and renamed into place."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-import statistics
 from pathlib import Path
 
 from curkv_train.core.atomic import atomic_folder, write_atomic
@@ -120,7 +118,7 @@ def _resampling_units(rows: list[dict]) -> str:
 
 
 def _notes(results: dict, config: dict) -> list[str]:
-    """What the tables cannot say: data split, intervals, scorers, the runtime-cache rows, prefill costs."""
+    """What the tables cannot say: data split, intervals, scorers, the runtime-cache rows."""
     bootstrap = results.get("bootstrap", {})
     lines = [f"Intervals: {100 * bootstrap.get('confidence', 0.95):g} % percentile bootstrap over examples "
              f"({bootstrap.get('resamples', '?')} resamples, seed {bootstrap.get('seed', '?')}); each resample "
@@ -147,7 +145,6 @@ def _notes(results: dict, config: dict) -> list[str]:
                      f"compressible ones besides sinks and window), the newest tokens wait for up to "
                      f"{defaults.compress_every} windows and its bytes include the observation: it holds other counts "
                      "than the presses at the same ratio; read the budget tables.")
-    lines += _prefill_note(results["rows"])
     return [line for text in lines for line in (text, "")]
 
 
@@ -158,27 +155,6 @@ def _stream_part(stream: dict) -> str:
     return (f"`{stream['kind']}` documents, {split}, {stream['documents']} documents, {stream['removed_tokens']} of "
             f"{stream['validation_tokens']} tokens cut for sharing a {stream['span']}-token span with the recipe's "
             f"training split, {stream['pieces']} pieces left")
-
-
-def _prefill_note(rows: list[dict]) -> list[str]:
-    """Each row's prefill time against the plain prefill of the same examples: medians over examples (tasks and
-    ratios) of the times and of the per-example ratios, so one stalled example does not decide them."""
-    plain = {row["task"]: row.get("example_sums", {}).get("prefill_seconds") or [] for row in rows
-             if row["method"] == FULL}
-    ratios: dict[str, list[tuple[float, float]]] = {}
-    for row in rows:
-        for index, value in enumerate(row.get("example_sums", {}).get("prefill_seconds") or []):
-            reference = plain.get(row["task"], [])
-            if row["method"] != FULL and index < len(reference) and finite(value) and finite(reference[index]):
-                ratios.setdefault(row["method"], []).append((value, value / max(reference[index], 1e-12)))
-    if not ratios:
-        return []
-    median = {name: [statistics.median(column) for column in zip(*pairs)] for name, pairs in ratios.items()}
-    listed = ", ".join(f"`{name}` {median[name][0]:.3g} s ({median[name][1]:.1f}×)"
-                       for name in sorted(median, key=lambda name: -median[name][1]))
-    return [f"Prefill time per example (medians over examples, tasks and ratios; this machine): the plain prefill "
-            f"{statistics.median(value for values in plain.values() for value in values):.3g} s; {listed} (× the "
-            "plain prefill of the same example)."]
 
 
 def _table(table: dict, methods: list[str], ratios: list[float], task: str, name: str,

@@ -78,8 +78,7 @@ def feed_chunks(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, s
                 on_step: Callable[[int, int, torch.Tensor], None]) -> None:
     """Feed ``input_ids`` (1, tokens) after ``seen`` tokens, ``chunk`` at a time, at their true RoPE positions (the
     causal mask follows the cache); ``on_step(start, stop, logits)`` gets each chunk's range in ``input_ids`` and its
-    (1, stop − start, vocab) float32 logits.
-    """
+    (1, stop − start, vocab) float32 logits."""
     device = input_ids.device
     for start in range(0, input_ids.shape[1], chunk):
         part = input_ids[:, start : start + chunk]

@@ -25,8 +25,7 @@ _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 @dataclass(frozen=True)
 class ScorerEntry:
     """One ``--scorer`` entry: its ``label`` (None for a bare source) and ``source`` (a folder, a shipped name or
-    ``init:FAMILY``).
-    """
+    ``init:FAMILY``)."""
 
     label: str | None
     source: str
@@ -48,8 +47,7 @@ class ScorerEntry:
 
 def parse_scorers(spec: str) -> list[ScorerEntry]:
     """The entries of a ``--scorer`` value (``none``: an empty list); a CurKVError for an empty entry or label, a label
-    used twice, two bare entries, ``none`` among others, or ``init:`` with an unknown family.
-    """
+    used twice, two bare entries, ``none`` among others, or ``init:`` with an unknown family."""
     from curkv_train.models.families import check_family
 
     items = [item.strip() for item in str(spec).split(",")]
@@ -80,8 +78,7 @@ def parse_scorers(spec: str) -> list[ScorerEntry]:
 
 def load_trained(entries: list[ScorerEntry]) -> dict[str, Scorer]:
     """The exported scorers among ``entries`` by method name (``init:`` ones are built later, with the model); a
-    CurKVError for a folder that cannot be loaded, or scorers recorded for different base models.
-    """
+    CurKVError for a folder that cannot be loaded, or scorers recorded for different base models."""
     from curkv_train.runtime.serialization import load_scorer
 
     loaded = {entry.method: load_scorer(entry.source) for entry in entries if entry.family is None}
@@ -98,8 +95,7 @@ def load_trained(entries: list[ScorerEntry]) -> dict[str, Scorer]:
 
 def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -> Scorer:
     """An untrained estimator of ``family`` for ``model`` (seed 0, default options and spans), recording ``model``'s
-    fingerprint so the runtime cache accepts it.
-    """
+    fingerprint so the runtime cache accepts it."""
     from curkv_train.core.shapes import kv_shape
     from curkv_train.models.families import build_estimator
     from curkv_train.runtime.serialization import model_fingerprint
@@ -115,16 +111,10 @@ def fresh_scorer(family: str, model: PreTrainedModel, base: str | None = None) -
 def build_scorers(entries: list[ScorerEntry], trained: dict[str, Scorer], model: PreTrainedModel,
                   base: str | None = None, spans: tuple[int, int] | None = None,
                   matmul_precision: str = "highest") -> dict[str, Scorer]:
-    """Every entry's scorer by method name, in entry order (``init:`` ones built for ``model`` now); with
-    ``spans`` = (n_sink, window), each protects those spans instead of its own (:func:`with_spans`); each
-    scores with ``matmul_precision`` (:attr:`Scorer.matmul_precision`)."""
+    """Every entry's scorer by method name, in entry order (``init:`` ones built for ``model`` now), scoring with
+    ``matmul_precision``; with ``spans`` (n_sink, window) each protects those spans instead of its own."""
     scorers = {entry.method: trained[entry.method] if entry.family is None else fresh_scorer(entry.family, model, base)
                for entry in entries}
     scorers = {name: replace(scorer, matmul_precision=matmul_precision) for name, scorer in scorers.items()}
-    return scorers if spans is None else {name: with_spans(scorer, *spans) for name, scorer in scorers.items()}
-
-
-def with_spans(scorer: Scorer, n_sink: int, window: int) -> Scorer:
-    """A copy of ``scorer`` (sharing its estimator) protecting ``n_sink`` leading and ``window`` recent tokens:
-    what a CurKVCache built on it holds by default (its sinks and its hot tier, in windows)."""
-    return replace(scorer, n_sink=n_sink, window=window)
+    return scorers if spans is None else {name: replace(scorer, n_sink=spans[0], window=spans[1])
+                                          for name, scorer in scorers.items()}

@@ -26,8 +26,7 @@ WINS, LOSES, TIES, TIES_AT_FULL = "wins", "loses", "ties (within noise)", "ties 
 @dataclass(frozen=True)
 class Bootstrap:
     """Percentile bootstrap over examples: ``resamples``, the intervals' ``confidence``, and a ``seed`` (each task draws
-    its own resamples from (seed, task)).
-    """
+    its own resamples from (seed, task))."""
 
     resamples: int = 2000
     confidence: float = 0.95
@@ -39,9 +38,8 @@ class Bootstrap:
                              f"{self.resamples} and {self.confidence}")
 
     def weights(self, examples: int, task: str, groups: Sequence[int] | None = None) -> np.ndarray:
-        """(resamples, examples) how often each example is drawn in each resample: the same for every method of
-        ``task`` (paired differences); with ``groups`` (examples,) whole groups are drawn, their examples not being
-        independent.
+        """(resamples, examples) how often each example is drawn in each resample, the same for every method of ``task``
+        (paired differences); with ``groups`` (examples,) whole groups are drawn (their examples are not independent).
         """
         rng = np.random.default_rng([self.seed, zlib.crc32(task.encode())])
         labels = np.arange(examples) if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
@@ -70,8 +68,7 @@ class Bootstrap:
 def metric_samples(kind: str, name: str, sums: dict[str, np.ndarray], full: dict[str, np.ndarray] | None,
                    weights: np.ndarray) -> np.ndarray:
     """(resamples,) metric ``name`` of each resample (``weights`` (resamples, examples)) of the examples' ``sums``
-    (key -> (examples,)), against the full cache's ``full``.
-    """
+    (key -> (examples,)), against the full cache's ``full``."""
     resampled_full = total(full, weights) if full else None
     return np.asarray(finalize(kind, total(sums, weights), resampled_full)[name], dtype=np.float64)
 
@@ -163,8 +160,7 @@ def _subset(sums: dict[str, np.ndarray], members: np.ndarray) -> dict[str, np.nd
 def breakdowns(kind: str, main: str, sums: dict[str, np.ndarray], full: dict[str, np.ndarray] | None,
                tags: list[dict[str, str]]) -> dict[str, float]:
     """``main@key=value`` -> the main metric over the examples tagged key=value (``tags``: per example), from the
-    method's and the full cache's per-example ``sums`` and ``full`` (key -> (examples,)).
-    """
+    method's and the full cache's per-example ``sums`` and ``full`` (key -> (examples,))."""
     labels = sorted({(key, value) for example in tags for key, value in example.items()})
     values = {}
     for key, value in labels:
@@ -198,8 +194,7 @@ def result_rows(log: ExampleSums, tags: dict[str, list[dict[str, str]]], main_me
                 kinds: dict[str, str], bootstrap: Bootstrap, reference: str,
                 groups: dict[str, list[str] | None] | None = None) -> list[dict]:
     """Every cell of ``log`` as a results row, against ``reference`` (the full cache, at ratio 0); ``tags``, ``groups``
-    (resampling units, None: one by one): task -> per example; ``main_metric``, ``kinds``: task -> metric, kind.
-    """
+    (resampling units, None: one by one): task -> per example; ``main_metric``, ``kinds``: task -> metric, kind."""
     rows = []
     for method, ratio, task in log.cells:
         full = log.sums(reference, 0.0, task) or None

@@ -28,8 +28,7 @@ METHODS = (FULL, STREAMING_LLM, CURKV, CURKV_UNIFORM, CURKV_SCORE_ONLY, CURKV_CO
 class MemorySetting:
     """One memory setting every compressing method runs at: the column ``label`` (``0.5``, ``512 tokens``, ``2.0 MiB``),
     the runtime cache's ``keep_ratio`` ρ (1.0 under a budget), the budget ``max_tokens`` / ``max_bytes``, and the
-    compression ``ratio`` 1 − ρ of a ratio setting.
-    """
+    compression ``ratio`` 1 − ρ of a ratio setting."""
 
     label: str
     keep_ratio: float = 1.0
@@ -75,8 +74,7 @@ def memory_settings(ratios: list[float], budget_tokens: list[int] | None = None,
 class StreamSettings:
     """How the streaming task runs: the ``memory`` settings every compressing method runs at; ``prefix`` tokens
     prefilled at once (the perplexity is over the rest), then ``chunk`` tokens per step; ``segment`` scored tokens
-    per recorded segment; the caches' kernel ``backend``; the bootstrap's ``seed`` and ``resamples``.
-    """
+    per recorded segment; the caches' kernel ``backend``; the bootstrap's ``seed`` and ``resamples``."""
 
     memory: list[MemorySetting]
     prefix: int = 1024
@@ -113,8 +111,7 @@ class StreamMethod:
 def stream_methods(model: PreTrainedModel, scorers: dict[str, Scorer], carrier: Scorer, settings: StreamSettings, *,
                    main: str | None) -> list[StreamMethod]:
     """Every streaming method: ``scorers`` by method name (``curkv``, ``curkv:LABEL``; ``main`` the main one's, None
-    without a scorer); ``carrier``: the scorer whose spans and observation the recency caches copy.
-    """
+    without a scorer); ``carrier``: the scorer whose spans and observation the recency caches copy."""
     backend = settings.backend
     suffix = main[len(CURKV):] if main else ""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,8 +39,7 @@ MAIN_METRIC = "ppl_increase_pct"
 @dataclass
 class StreamTrace:
     """One streamed document: ``nll`` (scored,) float64 of every token after the prefix; per step, ``steps``
-    (first scored index it predicted, bytes held, tokens held per (layer, KV head), tokens seen); ``seconds``.
-    """
+    (first scored index it predicted, bytes held, tokens held per (layer, KV head), tokens seen); ``seconds``."""
 
     nll: np.ndarray
     steps: list[tuple[int, int, float, int]]
@@ -73,37 +72,16 @@ def segment_sums(trace: StreamTrace, segment: int) -> dict[str, np.ndarray]:
     """Per ``segment`` scored tokens: examples (1), tokens, nll, and the mean over the steps that scored its tokens
     of the bytes held (kv_bytes), tokens held (kept_tokens) and tokens seen (context_tokens): the steps that
     start in the segment, or (a chunk longer than a segment) the step that scored its first token."""
-    count = len(trace.nll)
-    bounds = list(range(0, count, segment))
-    first = np.asarray([step[0] for step in trace.steps])
-    sums: dict[str, list[float]] = {key: [] for key in ("examples", "tokens", "nll", "kv_bytes", "kept_tokens",
-                                                       "context_tokens")}
-    for start in bounds:
+    count, first = len(trace.nll), np.asarray([step[0] for step in trace.steps])
+    segments = []
+    for start in range(0, count, segment):
         stop = min(start + segment, count)
         members = ([step for step, index in zip(trace.steps, first) if start <= index < stop]
                    or [trace.steps[int(np.searchsorted(first, start, side="right")) - 1]])
-        sums["examples"].append(1.0)
-        sums["tokens"].append(float(stop - start))
-        sums["nll"].append(float(trace.nll[start:stop].sum()))
-        sums["kv_bytes"].append(float(np.mean([step[1] for step in members])))
-        sums["kept_tokens"].append(float(np.mean([step[2] for step in members])))
-        sums["context_tokens"].append(float(np.mean([step[3] for step in members])))
-    return {key: np.asarray(values) for key, values in sums.items()}
-
-
-def _end(trace: StreamTrace) -> dict[str, float]:
-    """Bytes and tokens held after the last step, and their means over the steps."""
-    return {"kv_bytes_end": float(trace.steps[-1][1]), "kept_tokens_end": float(trace.steps[-1][2]),
-            "kv_bytes_mean": float(np.mean([step[1] for step in trace.steps])),
-            "seconds": trace.seconds}
-
-
-@dataclass
-class _Cell:
-    """Every document's traces of one (method, setting, task)."""
-
-    sums: list[dict[str, np.ndarray]] = field(default_factory=list)
-    ends: list[dict[str, float]] = field(default_factory=list)
+        held = np.mean([step[1:] for step in members], axis=0)  # bytes, tokens held, tokens seen
+        segments.append([1.0, float(stop - start), float(trace.nll[start:stop].sum()), *held])
+    keys = ("examples", "tokens", "nll", "kv_bytes", "kept_tokens", "context_tokens")
+    return {key: column.astype(np.float64) for key, column in zip(keys, np.asarray(segments).T)}
 
 
 def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamDocument]], methods: list[StreamMethod],
@@ -116,7 +94,7 @@ def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamD
         ``setting`` and the bytes held), "summary" (:func:`summarize_streaming`), "settings", "documents",
         "seconds_per_document", "bootstrap", "prefix", "chunk", "segment"}.
     """
-    cells: dict[tuple[str, str, str], _Cell] = {}
+    cells: dict[tuple[str, str, str], list[StreamTrace]] = {}
     seconds: dict[str, float] = {}
     for task, task_documents in documents.items():
         started = time.perf_counter()
@@ -126,9 +104,7 @@ def evaluate_streaming(model: PreTrainedModel, documents: dict[str, list[StreamD
                 for memory in [MemorySetting(FULL)] if method.name == FULL else settings.memory:
                     trace = stream_document(model, method.build(memory), document.input_ids, settings.prefix,
                                             settings.chunk)
-                    cell = cells.setdefault((method.name, memory.label, task), _Cell())
-                    cell.sums.append(segment_sums(trace, settings.segment))
-                    cell.ends.append(_end(trace))
+                    cells.setdefault((method.name, memory.label, task), []).append(trace)
             if progress is not None:
                 progress(f"{task} document {index + 1}/{len(task_documents)}: {time.perf_counter() - tick:.1f} s")
         seconds[task] = (time.perf_counter() - started) / max(1, len(task_documents))
@@ -148,18 +124,19 @@ def _joined(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
-def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings,
+def _rows(cells: dict[tuple[str, str, str], list[StreamTrace]], settings: StreamSettings,
           units: dict[str, list[str]]) -> list[dict]:
     """One results row per cell; ``units``: task -> per document, the bootstrap's unit (its segments are drawn with
     every other document's of that unit)."""
     ratios = {memory.label: memory.ratio for memory in settings.memory}
     rows = []
-    for (method, label, task), cell in cells.items():
-        full_cell = cells.get((FULL, FULL, task))
-        if full_cell is None:
+    for (method, label, task), traces in cells.items():
+        full_traces = cells.get((FULL, FULL, task))
+        if full_traces is None:
             continue
-        sums, full = _joined(cell.sums), _joined(full_cell.sums)
-        numbers = [number for number, part in enumerate(cell.sums) for _ in part["tokens"]]
+        parts = [segment_sums(trace, settings.segment) for trace in traces]
+        sums, full = _joined(parts), _joined([segment_sums(trace, settings.segment) for trace in full_traces])
+        numbers = [number for number, part in enumerate(parts) for _ in part["tokens"]]
         groups = [units[task][number] for number in numbers]
         tags = [{"document": str(number)} for number in numbers]
         row = result_row(method, ratios.get(label, 0.0 if method == FULL else None), task, "ppl", MAIN_METRIC,
@@ -171,12 +148,11 @@ def _rows(cells: dict[tuple[str, str, str], _Cell], settings: StreamSettings,
         metrics["nll"] = float(sums["nll"].sum() / sums["tokens"].sum())
         weights = settings.bootstrap.weights(len(sums["tokens"]), task, groups)
         intervals["nll"] = list(settings.bootstrap.interval((weights @ sums["nll"]) / (weights @ sums["tokens"])))
-        full_ends = [end["kv_bytes_end"] for end in full_cell.ends]
-        metrics["kv_bytes_end"] = float(np.mean([end["kv_bytes_end"] for end in cell.ends]))
-        metrics["kept_tokens_end"] = float(np.mean([end["kept_tokens_end"] for end in cell.ends]))
+        metrics["kv_bytes_end"] = float(np.mean([trace.steps[-1][1] for trace in traces]))
+        metrics["kept_tokens_end"] = float(np.mean([trace.steps[-1][2] for trace in traces]))
         metrics["kv_bytes_pct"] = 100.0 * metrics["kv_bytes"] / float(np.mean(full["kv_bytes"]))
-        metrics["kv_bytes_end_pct"] = 100.0 * metrics["kv_bytes_end"] / float(np.mean(full_ends))
-        metrics["seconds_per_document"] = float(np.mean([end["seconds"] for end in cell.ends]))
+        metrics["kv_bytes_end_pct"] = 100.0 * metrics["kv_bytes_end"] / np.mean([t.steps[-1][1] for t in full_traces])
+        metrics["seconds_per_document"] = float(np.mean([trace.seconds for trace in traces]))
         rows.append(row)
     return rows
 

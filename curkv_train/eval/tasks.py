@@ -40,10 +40,8 @@ SPAN_CUE = 8
 @dataclass
 class TaskExample:
     """One held-out example of ``task``: ``input_ids`` (1, context + continuation), the compressed ``context_length``,
-    the ``answer`` span [start, end) in continuation coordinates (None: the whole continuation), breakdown ``tags``
-    ({"depth": "0.5", ...}), the held-out ``documents`` its tokens came from and the bootstrap's resampling
-    ``group`` (a perplexity example's main document; "" for a synthetic example, a unit of its own).
-    """
+    the ``answer`` span [start, end) in continuation coordinates (None: all of it), breakdown ``tags``, the held-out
+    ``documents`` its tokens came from and its resampling ``group`` ("" for a synthetic example: a unit of its own)."""
 
     task: str
     input_ids: torch.Tensor
@@ -67,8 +65,7 @@ def check_tasks(names: list[str], valid=TASKS) -> list[str]:
 @dataclass(frozen=True)
 class DataRecipe:
     """The document ``sources`` a scorer was trained on (a synthetic task counts as its filler), whose validation
-    split the evaluation reads; ``origin``: ``scorer recipe`` (from its metadata) or ``default``.
-    """
+    split the evaluation reads; ``origin``: ``scorer recipe`` (from its metadata) or ``default``."""
 
     sources: tuple[DocumentSource, ...]
     origin: str
@@ -166,8 +163,7 @@ def build_examples(task: str, tokenizer, streams: dict[str, HeldOutText | np.nda
                    passkey_depths: list[float], passkey_lengths: list[int]) -> list[TaskExample]:
     """``examples`` examples of ``task`` from ``streams`` (:func:`load_streams`, or their tokens): perplexity examples
     blocks of the stream (:func:`_block_starts`), synthetic answers outside the ``protected`` (n_sink, window) spans,
-    passkey examples cycling over the (length, depth) grid.
-    """
+    passkey examples cycling over the (length, depth) grid."""
     kind, stream_name = TASKS[task]
     held_out = streams[stream_name]
     text = held_out if isinstance(held_out, HeldOutText) else None  # with its documents
