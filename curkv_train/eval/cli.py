@@ -150,7 +150,10 @@ def run_eval(config: EvalConfig) -> Path:
     scorers = build_scorers(entries, trained, model, base, spans=spans, matmul_precision=config.scorer_precision)
     for loaded in scorers.values():
         check_scorer_fits(loaded, model)
-    budget = main_budget(scorers[main.method] if main else None) if config.budget_baselines else None
+    budget = scorers[main.method].layer_budget if main and config.budget_baselines else None
+    if config.budget_baselines and budget is None:
+        raise CurKVError("--budget_baselines needs a main scorer with a calibrated layer budget (curkv-train "
+                         "calibrate --scorer DIR)")
     rows = _stream_rows(model, scorers, main, base, stream, config, spans) if stream else []
     recipe = DataRecipe.of_scorers([loaded.metadata for loaded in trained.values()])
     training = training_hashes(tokenizer, list(recipe.sources))
@@ -248,14 +251,6 @@ def _run_record(config: EvalConfig, resolved: dict, streaming: bool) -> dict:
     stream.update(budget_tokens=options.pop("budget_tokens") or [], budget_bytes=options.pop("budget_bytes") or [])
     return {**options, **resolved, "stream": stream if streaming else None, "torch": torch.__version__,
             "python": platform.python_version()}
-
-
-def main_budget(scorer: Scorer | None) -> LayerBudget:
-    """The main scorer's layer budget, for ``--budget_baselines``; CurKVError without one."""
-    if scorer is None or scorer.layer_budget is None:
-        raise CurKVError("--budget_baselines needs a main scorer with a calibrated layer budget "
-                         "(curkv-train calibrate --scorer DIR)")
-    return scorer.layer_budget
 
 
 def _check_shapes(settings: EvalSettings, config: EvalConfig, passkey_lengths: list[int], tasks: list[str]) -> None:

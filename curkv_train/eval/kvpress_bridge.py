@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -20,6 +21,9 @@ from curkv_train.core.errors import CurKVError
 from curkv_train.core.selection import expected_kept
 from curkv_train.eval.clock import clock
 from curkv_train.runtime.allocation import LayerBudget
+
+if TYPE_CHECKING:
+    from kvpress import BasePress
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,7 @@ def _kvpress():
     try:
         import kvpress
     except ImportError as error:
-        raise CurKVError("the baselines and --kvpress run kvpress's presses: pip install 'curkv-train[kvpress]'"
-                         ) from error
+        raise CurKVError("the baselines run kvpress's presses: pip install 'curkv-train[kvpress]'") from error
     return kvpress
 
 
@@ -92,7 +95,7 @@ def press_ratio(context_length: int, compression_ratio: float, *, n_sink: int, w
     return max(0.0, 1.0 - (kept + 0.5) / context_length)  # int(n · (kept + 0.5) / n) == kept, free of truncation
 
 
-def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int, seed: int | None):
+def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int, seed: int | None) -> BasePress:
     """Press ``name`` (of :data:`PRESSES` or :data:`OWN_PRESSES`), its sinks and SnapKV's observation window
     aligned with ours; ``seed`` None: RandomPress draws from the global generator (:func:`press_cache` seeds it).
     CriticalKV wraps ExpectedAttention without the value norm it replaces."""
@@ -117,12 +120,12 @@ class PressMethod:
     and whether it keeps our selection's count (``matched``; False: ``--kvpress_budget`` decides)."""
 
     spec: PressSpec
-    make: Callable[[float, int | None], object]
+    make: Callable[[float, int | None], BasePress]
     layer_budget: LayerBudget | None = None
     matched: bool = True
 
     def press(self, context_length: int, compression_ratio: float, seed: int | None, *, n_sink: int, window: int,
-              budget: str = "matched"):
+              budget: str = "matched") -> BasePress:
         """The press for a context of ``context_length`` tokens at ``compression_ratio``; under a layer budget,
         kvpress's PerLayerCompressionPress around it."""
         keep = 1.0 - compression_ratio
@@ -146,7 +149,7 @@ def baseline_method(name: str, *, n_sink: int, window: int, layer_budget: LayerB
     kept (:class:`~curkv_train.eval.baseline_presses.ProtectedPress`), the selection of every row."""
     press = BASELINE_PRESSES[name]
 
-    def make(compression_ratio: float, seed: int | None):
+    def make(compression_ratio: float, seed: int | None) -> BasePress:
         from curkv_train.eval.baseline_presses import ProtectedPress
 
         # seed None: the random baseline draws from the global generator, other draws in every layer
@@ -176,7 +179,7 @@ def _eager(model: PreTrainedModel, eager: bool) -> Iterator[None]:
 
 
 @torch.no_grad()
-def press_cache(model: PreTrainedModel, spec: PressSpec, press, context_ids: torch.Tensor,
+def press_cache(model: PreTrainedModel, spec: PressSpec, press: BasePress, context_ids: torch.Tensor,
                 seed: int) -> tuple[DynamicCache, float]:
     """Prefill ``context_ids`` (1, tokens) under ``press`` (run as ``spec`` says): the cache it leaves, and the
     prefill's wall time in seconds (the press's hooks and scores included)."""

@@ -137,7 +137,7 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
                       and (row := table.get((method, ratio, task))) and _finite(row["metrics"].get(name))]
             if mine is None or not _finite(mine["metrics"].get(name)) or not scored:
                 continue
-            # the best point estimate; among equals the first in method order (our re-implementations first)
+            # the best point estimate; among equals the first in method order (the baselines before kvpress:*)
             best_value, best = (min if name in LOWER_IS_BETTER else max)(scored, key=lambda scored: scored[0])
             theirs = table[(best, ratio, task)]
             sums = example_sums(mine)
