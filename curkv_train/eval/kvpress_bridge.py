@@ -127,8 +127,8 @@ class PressMethod:
     def press(self, context_length: int, compression_ratio: float, seed: int | None, *, n_sink: int, window: int,
               budget: str = "matched") -> BasePress:
         """The press for a context of ``context_length`` tokens at ``compression_ratio``; under a layer budget,
-        kvpress's PerLayerCompressionPress around it."""
-        keep = 1.0 - compression_ratio
+        kvpress's PerLayerCompressionPress around it; a one-line CurKVError without kvpress."""
+        kvpress, keep = _kvpress(), 1.0 - compression_ratio
         if self.layer_budget is None or keep >= 1.0:
             return self.make(press_ratio(context_length, compression_ratio, n_sink=n_sink, window=window,
                                          budget="matched" if self.matched else budget), seed)
@@ -139,7 +139,7 @@ class PressMethod:
         level = log.level
         log.setLevel(logging.ERROR)
         try:
-            return _kvpress().PerLayerCompressionPress(self.make(0.0, seed), ratios)
+            return kvpress.PerLayerCompressionPress(self.make(0.0, seed), ratios)
         finally:
             log.setLevel(level)
 

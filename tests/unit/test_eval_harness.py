@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 
@@ -102,6 +103,14 @@ def test_bad_input_is_one_line(args, message, capsys):
     code, err = run_cli(["--scorer", "none", "--base", TINY_RANDOM, *args], capsys)
     assert code == 2
     assert message in err and err.count("\n") == 1
+
+
+def test_without_kvpress_the_press_rows_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvpress", None)  # import kvpress raises ImportError
+    monkeypatch.delitem(sys.modules, "curkv_train.eval.baseline_presses", raising=False)  # imports kvpress
+    code, err = run_cli(["--scorer", "none", "--base", TINY_RANDOM, "--tasks", "ppl_text", "--methods", "full,knorm",
+                         "--ratios", "0.5", "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 2 and "pip install 'curkv-train[kvpress]'" in err and err.count("\n") == 1
 
 
 def test_scorer_for_another_base_is_rejected(tmp_path, capsys):
