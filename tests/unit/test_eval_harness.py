@@ -246,6 +246,28 @@ def test_a_budgeted_scorer_and_budget_baselines(tmp_path, capsys):
     assert code == 2 and "--budget_baselines needs a main scorer" in err and err.count("\n") == 1
 
 
+def test_a_budgeted_evaluation_leaves_the_model_as_it_found_it(tmp_path, capsys, monkeypatch):
+    """The mask-fitting wrapper a layer budget needs is held for the evaluation only."""
+    from curkv_train import runtime
+    from curkv_train.eval import cli
+    from curkv_train.models.base import load_base_model
+    from curkv_train.runtime.allocation import LayerBudget
+
+    scorer = runtime.load_scorer(export_scorer(tmp_path / "plain"))
+    scorer.layer_budget = LayerBudget((0.1, 4.0), 1.0)
+    models = []
+    monkeypatch.setattr(cli, "load_base_model", lambda *a, **k: models.append(load_base_model(*a, **k)) or models[-1])
+    budgeted = runtime.save_scorer(scorer, tmp_path / "budgeted", base_model=TINY_RANDOM,
+                                   fingerprint=runtime.model_fingerprint(load_base_model(TINY_RANDOM).config))
+    code, err = run_cli(["--scorer", str(budgeted), "--tasks", "ppl_text", "--methods", "full,curkv", "--ratios", "0.5",
+                         "--out", str(tmp_path / "run"), *SMALL], capsys)
+    assert code == 0, err
+    (model,) = models
+    assert model.config._attn_implementation == "sdpa"
+    assert not [name for name, module in model.named_modules()
+                if module._forward_hooks or module._forward_pre_hooks]
+
+
 def test_every_scorer_of_a_run_scores_with_the_precision_asked():
     from curkv_train.eval.scorer_entries import build_scorers, parse_scorers
     from curkv_train.models.base import load_base_model
