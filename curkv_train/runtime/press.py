@@ -51,9 +51,7 @@ class CurKVPress(ScorerPress):
     such a cache after the ``with`` block.
 
     Budget: kvpress keeps ``max(1, int(n·(1 − compression_ratio)))`` of *all* n tokens,
-    protected ones included, as CurKVCache does, while the harness's one-prefill selection
-    (:func:`curkv_train.core.selection.select_kept`) keeps the protected tokens plus
-    ⌈ρ·n_compressible⌉ of the rest. Here the protected tokens come out of kvpress's
+    protected ones included, as CurKVCache counts them: the protected tokens come out of that
     budget (only part of the protected span is kept if the budget is smaller than it).
 
     Parameters
