@@ -115,3 +115,60 @@ def select_kept(scores: torch.Tensor, n_sink: int, window: int, keep_ratio: floa
 def compress_kv(keys: torch.Tensor, values: torch.Tensor, keep_idx: torch.Tensor, backend: str = "auto"):
     """Dense (keys, values) of the kept tokens: (batch, kv_heads, kept, head_dim) each."""
     return compact_kept(keys, values, keep_idx, backend=backend)
+
+
+ALLOCATIONS = ("per_head", "joint")
+
+
+def check_allocation(allocation: str) -> str:
+    """``allocation`` as one of :data:`ALLOCATIONS`, else a one-line CurKVError."""
+    if allocation not in ALLOCATIONS:
+        raise CurKVError(f"unknown allocation {allocation!r}; expected one of {', '.join(ALLOCATIONS)}")
+    return allocation
+
+
+def check_head_floor(head_floor: float) -> float:
+    """``head_floor`` as a float in [0, 1], else a one-line CurKVError.
+
+    A floor of 1 asks every head for its whole ⌈ρ·n⌉ share, which leaves the joint selection nothing to
+    move (the equal split); above 1 the heads together would ask for more than ρ of the tokens.
+    """
+    if isinstance(head_floor, (str, bool)) or not 0.0 <= float(head_floor) <= 1.0:
+        raise CurKVError(f"head_floor must be in [0, 1] (the share of a head's ⌈ρ·n⌉ it always keeps), "
+                         f"got {head_floor!r}")
+    return float(head_floor)
+
+
+def joint_floor_count(num_compressible: int, num_heads: int, keep_ratio: float, head_floor: float) -> int:
+    """Compressible tokens each of ``num_heads`` heads keeps whatever the joint ranking says.
+
+    ⌈floor·ρ·n⌉, capped at the equal share ⌊⌈ρ·heads·n⌉ / heads⌋ so the floors never ask for more than the
+    joint total (the ceilings could: 2 heads of 3 tokens at ρ 0.5 keep 3 together, not 2 + 2).
+    """
+    total = kept_count(num_heads * num_compressible, keep_ratio)
+    return min(math.ceil(head_floor * keep_ratio * num_compressible - 1e-9), total // num_heads)
+
+
+def joint_keep_mask(scores: torch.Tensor, keep_ratio: float, head_floor: float) -> torch.Tensor:
+    """Joint allocation: per example, the top ⌈ρ·N⌉ of all N compressible tokens of every layer and KV head.
+
+    Each (layer, KV head) first keeps its own top :func:`joint_floor_count` tokens, so no head is emptied;
+    the rest of the ⌈ρ·N⌉ places go to the highest scores wherever they are. Scores must share one scale
+    across heads and layers for this to mean anything.
+
+    Args:
+        scores: (layers, batch, kv_heads, n) scores of the compressible tokens, higher = more worth keeping.
+        keep_ratio: ρ over all N = layers · kv_heads · n compressible tokens of an example.
+        head_floor: share of a head's ⌈ρ·n⌉ it keeps whatever the others score, in [0, 1].
+
+    Returns:
+        (layers, batch, kv_heads, n) 0/1 float mask, summing to ⌈ρ·N⌉ over each example.
+    """
+    layers, batch, heads, tokens = scores.shape
+    ranked = scores.detach().float()
+    floor = joint_floor_count(tokens, layers * heads, keep_ratio, head_floor)
+    if floor > 0:  # the floor's tokens outrank every other one
+        ranked = ranked.scatter(-1, ranked.topk(floor, dim=-1).indices, float("inf"))
+    flat = ranked.transpose(0, 1).reshape(batch, -1)
+    mask = torch.zeros_like(flat).scatter_(-1, flat.topk(kept_count(flat.shape[-1], keep_ratio), dim=-1).indices, 1.0)
+    return mask.reshape(batch, layers, heads, tokens).transpose(0, 1).to(scores.dtype)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from curkv_train.core.selection import kept_count, newest_places, share_of_compressible
+from curkv_train.core.errors import CurKVError
+from curkv_train.core.selection import joint_keep_mask, kept_count, newest_places, share_of_compressible
 
 BUDGET_MODES = ("two_sided", "hinge", "lagrange")
 # Keep weight of an evicted token in the hard stage: small enough to leave the
@@ -38,6 +39,10 @@ class TrainingSettings:
             competing tokens (the cache's ``recent_share``; 0: every place by score).
         count_protected: with streaming rounds, sinks and hot tier count inside ρ, as CurKVCache counts
             them; False: ρ of the competing span only (the smollm2-135m recipe trains so).
+        allocation: where the hard stage's kept places go: ``per_head`` (⌈ρ·n⌉ in every layer and KV head)
+            or ``joint`` (⌈ρ·N⌉ over all of an example's layers and KV heads, by score; the budget term
+            then holds the mean keep over everything at ρ).
+        head_floor: with ``joint``, the share of its ⌈ρ·n⌉ every head keeps whatever the others score, in [0, 1].
     """
 
     keep_ratio: float = 0.5
@@ -50,6 +55,8 @@ class TrainingSettings:
     compress_every: int = 2
     recent_share: float = 0.0
     count_protected: bool = True
+    allocation: str = "per_head"
+    head_floor: float = 0.1
 
 
 def _chunk_kl(teacher_hidden: torch.Tensor, student_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -113,13 +120,19 @@ def keep_bias(
     temperature: float,
     keep_ratio: KeepRatio,
     hard: bool,
+    allocation: str = "per_head",
+    head_floor: float = 0.1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention biases on context keys from estimator logits.
 
     Args:
         logits: (layers, batch, kv_heads, context) estimator logits z.
         compressible: (context,) bool mask of compressible tokens.
-        keep_ratio: ρ for every layer, or one ρ_l per layer (a layer budget's split).
+        keep_ratio: ρ for every layer, or one ρ_l per layer (a layer budget's split; ``per_head`` only).
+        allocation: with ``hard``, ``per_head`` keeps the top-⌈ρ·n⌉ of every (layer, KV head); ``joint``
+            the top-⌈ρ·N⌉ of each example's N compressible tokens over all of them, every head keeping at
+            least its floor (:func:`~curkv_train.core.selection.joint_keep_mask`).
+        head_floor: the joint allocation's per-head floor, a share of the head's ⌈ρ·n⌉.
 
     Returns:
         (bias, scores): bias (layers, batch, kv_heads, context) = log keep weight on
@@ -129,6 +142,9 @@ def keep_bias(
         With ρ = 1 nothing is compressed and the bias is 0.
     """
     if isinstance(keep_ratio, Sequence):
+        if allocation == "joint":
+            raise CurKVError("allocation joint chooses each layer's share itself; drop model.layer_budget "
+                             "or train with allocation per_head")
         return _layer_by_layer(keep_ratio, lambda layers, ratio: keep_bias(
             logits[layers], compressible, temperature=temperature, keep_ratio=ratio, hard=hard))
     scores = torch.sigmoid(logits[..., compressible] / temperature)
@@ -136,7 +152,9 @@ def keep_bias(
     if keep_ratio >= 1.0:
         return bias, scores
     if hard:
-        mask = hard_keep_mask(logits[..., compressible], keep_ratio)
+        competing = logits[..., compressible]
+        mask = (joint_keep_mask(competing, keep_ratio, head_floor) if allocation == "joint"
+                else hard_keep_mask(competing, keep_ratio))
         weight = mask * (1 - EVICTED_WEIGHT) + EVICTED_WEIGHT + scores - scores.detach()
     else:
         weight = scores
@@ -205,12 +223,26 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
     return bias, scores
 
 
+def budget_keep(scores: torch.Tensor, allocation: str = "per_head") -> torch.Tensor:
+    """The mean keep score the budget term holds at ρ.
+
+    Args:
+        scores: (layers, batch, kv_heads, n) keep scores of the compressible tokens.
+        allocation: ``per_head``: the mean of every (layer, KV head), (layers, kv_heads); ``joint``: one
+            mean over everything, (1, 1), so heads and layers may keep more or less than ρ between them.
+    """
+    if allocation == "joint":
+        return scores.mean().reshape(1, 1)
+    return scores.mean(dim=(1, 3))
+
+
 class BudgetController(nn.Module):
     """Penalty that keeps the mean keep score per (layer, KV head) at the target ratio ρ.
 
     Modes: ``two_sided`` λ·|mean − ρ| (default); ``hinge`` λ·relu(mean − ρ) (the seed's,
     which lets the mean sink below ρ); ``lagrange``: ν·(mean − ρ) with a multiplier ν per
-    (layer, head) raised and lowered by dual ascent (``dual_step`` after each step).
+    (layer, head) raised and lowered by dual ascent (``dual_step`` after each step). A (1, 1) mean keep (the
+    joint allocation's, :func:`budget_keep`) broadcasts: one gap for every (layer, head).
 
     Args:
         num_layers, num_kv_heads: the multiplier grid.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import lightning as L
 import torch
@@ -12,7 +13,7 @@ from torchmetrics import MeanMetric
 
 from curkv_train.training.scored_attention import CompressionState, patch_model
 from curkv_train.core.rope import KEY_VIEWS
-from curkv_train.core.selection import check_keep_ratio, compressible_mask
+from curkv_train.core.selection import check_allocation, check_head_floor, check_keep_ratio, compressible_mask
 from curkv_train.core.shapes import kv_shape
 from curkv_train.training.distributed import clip_grad_norm, prepare_rank_zero_loading, saves_sharded_checkpoints
 from curkv_train.core.errors import CurKVError
@@ -21,8 +22,8 @@ from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.training.capture import (ContextCapture, continue_from, estimator_inputs, prefill_context,
                                         reconstruction_target)
 from curkv_train.models.families import build_estimator, check_family
-from curkv_train.training.objective import (BudgetController, KeepRatio, TrainingSettings, chunked_kl, dense_loss, keep_bias,
-                                   streaming_ends, streaming_keep_bias)
+from curkv_train.training.objective import (EVICTED_WEIGHT, BudgetController, KeepRatio, TrainingSettings, budget_keep,
+                                            chunked_kl, dense_loss, keep_bias, streaming_ends, streaming_keep_bias)
 from curkv_train.training.reconstruction import RECONSTRUCTION_PROMPT
 from curkv_train.runtime.allocation import LayerBudget
 
@@ -51,6 +52,10 @@ class CurKVModule(L.LightningModule):
         keep_ratio: target ρ = kept / compressible tokens (validation always measures this one).
         temperature: score temperature T in s = σ(z / T).
         hard_topk: train on the exact top-⌈ρ·n⌉ mask (straight-through gradients).
+        allocation: per_head (the hard mask keeps ⌈ρ·n⌉ in every layer and KV head) or joint (⌈ρ·N⌉ over all
+            layers and KV heads of an example, by score, each head keeping at least its floor; the budget term
+            then holds the mean keep over everything at ρ). Not with streaming rounds or a layer budget.
+        head_floor: with joint, the share of its ⌈ρ·n⌉ every head keeps whatever the others score, in [0, 1].
         budget_mode: two_sided, hinge or lagrange (see BudgetController).
         budget_weight: λ of the budget penalty.
         dual_lr: dual ascent step for the lagrange budget.
@@ -78,7 +83,8 @@ class CurKVModule(L.LightningModule):
                  dual_lr: float = 0.05, hidden_mse_weight: float = 0.0, dense_weight: float = 0.0,
                  kl_chunk_size: int = 64, key_view: str = "pre_rope", backend: str = "auto",
                  learning_rate: float = 1e-3, weight_decay: float = 0.0, base_init: str = "every_rank",
-                 init_scorer: str | None = None, layer_budget: str | None = None) -> None:
+                 init_scorer: str | None = None, layer_budget: str | None = None, allocation: str = "per_head",
+                 head_floor: float = 0.1) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_keep_ratio(keep_ratio)
@@ -87,7 +93,9 @@ class CurKVModule(L.LightningModule):
                                      ("base_dtype", base_dtype, DTYPES), ("base_init", base_init, BASE_INITS)):
             if value not in allowed:
                 raise CurKVError(f"unknown {name} {value!r}; expected one of {', '.join(allowed)}")
-        self.settings = TrainingSettings(keep_ratio, temperature, hard_topk, budget_weight)
+        self.settings = TrainingSettings(keep_ratio, temperature, hard_topk, budget_weight, allocation=allocation,
+                                         head_floor=head_floor)
+        self.check_settings(self.settings)
         self.base = None
         self.estimator = None
         self.budget: BudgetController | None = None
@@ -98,8 +106,23 @@ class CurKVModule(L.LightningModule):
 
     def apply_stage(self, settings: TrainingSettings) -> None:
         """Use ``settings`` from the next step on (the curriculum calls this)."""
-        check_keep_ratio(settings.keep_ratio)
+        self.check_settings(settings)
         self.settings = settings
+
+    def check_settings(self, settings: TrainingSettings) -> None:
+        """A CurKVError for settings no context length can train: a ratio outside (0, 1], an unknown allocation,
+        a head floor outside [0, 1], or the joint allocation with streaming rounds or a layer budget."""
+        check_keep_ratio(settings.keep_ratio)
+        check_allocation(settings.allocation)
+        check_head_floor(settings.head_floor)
+        if settings.allocation != "joint":
+            return
+        if settings.streaming_rounds:
+            raise CurKVError("allocation joint does not run with streaming rounds (their rounds select per head, as "
+                             "CurKVCache does); set streaming_rounds: 0 or allocation: per_head")
+        if self.hparams.layer_budget:
+            raise CurKVError("allocation joint chooses each layer's share itself; drop model.layer_budget "
+                             "or train with allocation per_head")
 
     def configure_model(self) -> None:
         """Load the frozen base, patch its attention, and build the estimator for its shapes."""
@@ -190,6 +213,7 @@ class CurKVModule(L.LightningModule):
         prompt, context again) must fit the base's positions.
         """
         hp = self.hparams
+        self.check_settings(settings)
         if settings.streaming_rounds:
             stride = settings.compress_every * hp.window
             first = streaming_ends(context_length, settings.streaming_rounds, stride)[0]
@@ -234,17 +258,19 @@ class CurKVModule(L.LightningModule):
             bias, scores = self.streaming_bias(capture, logits, settings, ratios)
         else:
             bias, scores = keep_bias(logits, compressible, temperature=settings.temperature, keep_ratio=ratios,
-                                     hard=settings.hard_topk)
+                                     hard=settings.hard_topk, allocation=settings.allocation,
+                                     head_floor=settings.head_floor)
         student = self.student_hidden(capture, continuation, bias)
         kl = chunked_kl(teacher, student, self.base.get_output_embeddings(), hp.kl_chunk_size)
-        mean_keep = scores.mean(dim=(1, 3))
+        mean_keep = budget_keep(scores, settings.allocation)
         budget = (self.budget(mean_keep, ratios, settings.budget_weight) if settings.keep_ratio < 1
                   else kl.new_zeros(()))
         mse = F.mse_loss(student.float(), teacher.float()) if hp.hidden_mse_weight else kl.new_zeros(())
         dense = dense_loss(logits, target, compressible) if target is not None else kl.new_zeros(())
         loss = kl + budget + hp.hidden_mse_weight * mse + hp.dense_weight * dense
+        kept = kept_share(bias, compressible) if settings.hard_topk and not settings.streaming_rounds else None
         return {"loss": loss, "kl": kl, "budget": budget, "hidden_mse": mse, "dense": dense, "mean_keep": mean_keep,
-                "scores": scores.detach()}
+                "scores": scores.detach(), "kept_layer": kept}
 
     def streaming_bias(self, capture: ContextCapture, logits: torch.Tensor, settings: TrainingSettings,
                        ratios: KeepRatio) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,6 +317,9 @@ class CurKVModule(L.LightningModule):
             self.log("train/dense", out["dense"], batch_size=size)
         effective = (out["scores"] > 0.5).float().mean(dim=(1, 2, 3))
         self.log_dict({f"keep_layer/{layer:02d}": value for layer, value in enumerate(effective)}, batch_size=size)
+        if out["kept_layer"] is not None:  # what the hard mask kept, where the allocation put it
+            self.log_dict({f"kept_layer/{layer:02d}": value for layer, value in enumerate(out["kept_layer"])},
+                          batch_size=size)
         return out["loss"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
@@ -365,3 +394,9 @@ class CurKVModule(L.LightningModule):
         from curkv_train.training.callbacks.curriculum import Curriculum
 
         return self._trainer is not None and any(isinstance(callback, Curriculum) for callback in self.trainer.callbacks)
+
+
+def kept_share(bias: torch.Tensor, compressible: torch.Tensor) -> torch.Tensor:
+    """(layers,) share of each layer's compressible tokens a hard ``bias`` (layers, batch, kv_heads, context) keeps."""
+    kept = bias.detach()[..., compressible] > math.log(EVICTED_WEIGHT) / 2
+    return kept.float().mean(dim=(1, 2, 3))

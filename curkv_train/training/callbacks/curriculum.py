@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.training.objective import TrainingSettings
-from curkv_train.core.selection import check_keep_ratio, check_recent_share
+from curkv_train.core.selection import check_allocation, check_head_floor, check_keep_ratio, check_recent_share
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class Stage:
             cache's ``recent_share``).
         count_protected: whether sinks and hot tier count inside ρ in streaming rounds (unset: the
             model's setting, True by default, as CurKVCache counts them; False: ρ of the competing span only).
+        allocation: per_head or joint: where the hard stage's kept places go (unset: the model's ``allocation``;
+            joint not with streaming rounds).
+        head_floor: with joint, the share of its ⌈ρ·n⌉ every head keeps, in [0, 1] (unset: the model's).
     """
 
     steps: int
@@ -61,6 +64,8 @@ class Stage:
     compress_every: int | None = None
     recent_share: float | None = None
     count_protected: bool | None = None
+    allocation: str | None = None
+    head_floor: float | None = None
 
 
 class Curriculum(Callback):
@@ -97,8 +102,15 @@ class Curriculum(Callback):
                 if stage.keep_ratio is not None:
                     raise CurKVError(f"curriculum stage {index} sets both keep_ratio and compression_range; "
                                      "set one (the range draws the ratio every step)")
-            if stage.recent_share is not None:
-                check_recent_share(stage.recent_share)
+            try:
+                if stage.recent_share is not None:
+                    check_recent_share(stage.recent_share)
+                if stage.allocation is not None:
+                    check_allocation(stage.allocation)
+                if stage.head_floor is not None:
+                    check_head_floor(stage.head_floor)
+            except CurKVError as error:
+                raise CurKVError(f"curriculum stage {index}: {error}") from None
             for name, least in (("compress_every", 1), ("streaming_rounds", 0), ("hot_windows", 0)):
                 value = getattr(stage, name)
                 if value is not None and value < least:
