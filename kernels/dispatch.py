@@ -12,6 +12,7 @@ from curkv_train.kernels.reference import (
     Factors,
     compact_kept_reference,
     factored_attention_reference,
+    ragged_attention_reference,
     scored_attention_reference,
 )
 
@@ -79,3 +80,28 @@ def factored_attention(
     from curkv_train.kernels.factored_attention_triton import factored_attention_triton
 
     return factored_attention_triton(q, cold_keys, cold_values, k, v, scale=scale, causal=causal)
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float | None = None,
+    check_bounds: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of the newest queries over ragged KV segments; see :func:`ragged_attention_reference`.
+
+    The storage (packed (rows, head_dim) keys and values, (batch, kv_heads) offsets and lengths)
+    is described in :mod:`curkv_train.kernels.ragged`. ``check_bounds=False`` skips the Triton
+    path's bounds check (a device sync) for a caller that built the offsets itself; the
+    reference, the CPU path, always checks.
+    """
+    if resolve_backend(backend, q) == "torch":
+        return ragged_attention_reference(q, keys, values, offsets, lengths, scale=scale)
+    from curkv_train.kernels.ragged_attention_triton import ragged_attention_triton
+
+    return ragged_attention_triton(q, keys, values, offsets, lengths, scale=scale, check_bounds=check_bounds)

@@ -266,3 +266,95 @@ def factored_attention_reference(
     for block_probs, block in zip(cold_probs[:-1], cold_values):
         out = out + factored_values(block_probs, block)
     return out.reshape(batch, q_heads, num_queries, v.shape[-1]).to(q.dtype)
+
+
+def right_aligned_segments(
+    keys: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A temporary padded view of ragged segments, each right-aligned, for computing on them.
+
+    Segment s = (b, h) lands at positions N − lengths[s] ..< N of a width N = max(lengths)
+    view, so its newest token is last, as in a dense cache; the padding on the left gets
+    key bias -inf and zero keys and values (it reads no row outside the segments). Bottom-right
+    causal masking over the view is then exactly per-segment bottom-right causal masking.
+
+    Args:
+        keys: (rows, head_dim) packed keys; values: (rows, head_dim_v) packed values.
+        offsets: (batch, kv_heads) int first row of each segment.
+        lengths: (batch, kv_heads) int tokens per segment.
+
+    Returns:
+        (keys (batch, kv_heads, N, head_dim), values (batch, kv_heads, N, head_dim_v),
+        key_bias (batch, kv_heads, N) float32: 0 on held tokens, -inf on padding).
+    """
+    width = int(lengths.max()) if lengths.numel() else 0
+    position = torch.arange(width, device=keys.device) - (width - lengths.long())[..., None]
+    held = position >= 0
+    rows = (offsets.long()[..., None] + position).clamp(0, max(keys.shape[0] - 1, 0))
+    key_bias = torch.zeros(held.shape, device=keys.device).masked_fill(~held, float("-inf"))
+    if keys.shape[0] == 0:  # nothing held anywhere: width is 0 too
+        return keys.new_zeros(*held.shape, keys.shape[-1]), values.new_zeros(*held.shape, values.shape[-1]), key_bias
+    # Padding reads a clamped row; zero it so nothing outside the segments (headroom, NaN or not) reaches the logits.
+    padding = ~held[..., None]
+    return keys[rows].masked_fill(padding, 0.0), values[rows].masked_fill(padding, 0.0), key_bias
+
+
+def ragged_attention_reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of the newest queries over ragged KV segments, GQA, fp32 accumulation.
+
+    Segment (b, h) is rows ``offsets[b, h] ..< offsets[b, h] + lengths[b, h]`` of ``keys`` and
+    ``values``, oldest token first (:mod:`curkv_train.kernels.ragged`). The M queries are the
+    newest M tokens of every segment: query i sees segment tokens t <= lengths − M + i.
+    Computed on a temporary right-aligned padded view (:func:`right_aligned_segments`).
+
+    Args:
+        q: (batch, q_heads, M, head_dim) queries; query head h reads KV head h // (q_heads / kv_heads).
+        keys: (rows, head_dim) packed keys.
+        values: (rows, head_dim_v) packed values.
+        offsets: (batch, kv_heads) int first row of each segment.
+        lengths: (batch, kv_heads) int tokens per segment.
+        scale: logit scale, default head_dim ** -0.5.
+
+    Returns:
+        (batch, q_heads, M, head_dim_v) in q's dtype; a query that sees no token (lengths − M + i < 0) gives 0.
+    """
+    check_ragged_shapes(q, keys, values, offsets, lengths)
+    check_ragged_bounds(keys, offsets, lengths)
+    if not lengths.numel() or int(lengths.max()) == 0:  # no segment holds a token: every query gives 0
+        return q.new_zeros(*q.shape[:3], values.shape[-1])
+    padded_keys, padded_values, key_bias = right_aligned_segments(keys, values, offsets, lengths)
+    return scored_attention_reference(q, padded_keys, padded_values, key_bias, scale=scale, causal=True)
+
+
+def check_ragged_shapes(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor
+) -> None:
+    """A ValueError unless the ragged attention arguments' shapes agree (no device sync)."""
+    if q.dim() != 4 or keys.dim() != 2 or values.dim() != 2:
+        raise ValueError(f"q must be (batch, q_heads, M, head_dim) and keys, values (rows, head_dim); got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    if keys.shape[0] != values.shape[0] or keys.shape[1] != q.shape[-1]:
+        raise ValueError(f"keys {tuple(keys.shape)} must be (rows, {q.shape[-1]}) with values' {values.shape[0]} rows")
+    if offsets.dim() != 2 or offsets.shape != lengths.shape or offsets.shape[0] != q.shape[0]:
+        raise ValueError(f"offsets {tuple(offsets.shape)} and lengths {tuple(lengths.shape)} must both be "
+                         f"(batch, kv_heads) with batch = {q.shape[0]}")
+    kv_heads = offsets.shape[1]
+    if kv_heads == 0 or q.shape[1] % kv_heads:
+        raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({kv_heads})")
+    if offsets.dtype.is_floating_point or lengths.dtype.is_floating_point:
+        raise ValueError(f"offsets and lengths must be integer tensors, got {offsets.dtype} and {lengths.dtype}")
+
+
+def check_ragged_bounds(keys: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor) -> None:
+    """A ValueError unless every segment lies inside the buffer (one device sync)."""
+    if offsets.numel() and bool(((offsets < 0) | (lengths < 0) | (offsets + lengths > keys.shape[0])).any()):
+        raise ValueError(f"every segment must satisfy 0 <= offsets, 0 <= lengths, offsets + lengths <= {keys.shape[0]} "
+                         "rows of keys")
