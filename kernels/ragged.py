@@ -112,11 +112,13 @@ def pack_ragged(
     if len(keep_idx) != batch or any(len(heads) != kv_heads for heads in keep_idx):
         raise ValueError(f"keep_idx must hold {batch} lists of {kv_heads} index tensors (one per KV head)")
     kept = [index.to(keys.device, torch.long).reshape(-1) for heads in keep_idx for index in heads]
-    if any(((index < 0) | (index >= tokens)).any() for index in kept):
+    indices = torch.cat(kept)
+    if indices.numel() and bool(((indices < 0) | (indices >= tokens)).any()):  # one check, one sync
         raise ValueError(f"keep_idx holds an index outside [0, {tokens})")
     lengths = torch.tensor([index.numel() for index in kept], device=keys.device).reshape(batch, kv_heads)
     offsets, capacities = _layout(lengths, headroom)
-    source = torch.cat([index + segment * tokens for segment, index in enumerate(kept)])
+    segment_starts = torch.arange(len(kept), device=keys.device) * tokens
+    source = indices + torch.repeat_interleave(segment_starts, lengths.reshape(-1))
     rows = int(capacities.sum())
     packed = []
     for dense in (keys, values):
