@@ -1,7 +1,8 @@
 """Architecture configs without weights: from the hub when reachable, else shipped with the package.
 
-The configs of the large bases the scale-out recipes name (Llama-2-7B, Llama-2-70B)
-ship under ``data/model_configs/`` (package ``curkv_train._data``), one JSON file per
+The configs of the bases the recipes and benchmarks name (Llama-2-7B, Llama-2-70B, and
+the hub originals of the embedded SmolLM2-135M-Instruct and Gemma 3 270M) ship
+under ``data/model_configs/`` (package ``curkv_train._data``), one JSON file per
 hub id with ``/`` written as ``--``. They are what ``curkv-train plan`` and the
 meta-device tests read on a machine with no hub access, or without access to the
 gated Llama-2 repositories.
