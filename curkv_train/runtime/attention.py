@@ -52,7 +52,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from curkv_train.core.errors import CurKVError
 from curkv_train.core.observation import attention_modules
 from curkv_train.core.shapes import check_unpadded
-from curkv_train.kernels import factored_attention
+from curkv_train.kernels import RaggedKV, factored_attention, ragged_attention
 from curkv_train.runtime.layer import CurKVLayer
 
 log = logging.getLogger(__name__)
@@ -226,12 +226,35 @@ def factored_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     return out.transpose(1, 2).contiguous(), None
 
 
+def ragged_attention_forward(module: torch.nn.Module, query: torch.Tensor, store: RaggedKV, backend: str,
+                             dropout: float = 0.0, scaling: float | None = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of ``query`` over a ragged layer's storage (each KV head its own tokens, the queries' own last).
+
+    Args:
+        query: (batch, q_heads, M, head_dim) post-RoPE queries of the M newest tokens of every segment.
+        store: the layer's storage for this step (:attr:`~curkv_train.runtime.layer.CurKVLayer.ragged_step`).
+
+    Returns:
+        ((batch, M, q_heads, head_dim) attention output, None); the model's mask is not read (batch 1 or
+        unpadded batches, causal bottom-right per segment).
+    """
+    if dropout:
+        raise CurKVError("ragged attention is for inference; put the model in eval mode (dropout > 0)")
+    out = ragged_attention(query, store.keys, store.values, store.offsets, store.lengths, scale=scaling,
+                           check_bounds=False, backend=backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def make_factored_attention(implementation: str) -> AttentionFn:
     """The attention function registered as ``curkv_factored_<implementation>``."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         layer = cache_layer_of(module)
+        if layer is not None and layer.ragged_step is not None:
+            store, layer.ragged_step = layer.ragged_step, None
+            return ragged_attention_forward(module, query, store, layer.settings.backend, *args, **kwargs)
         if layer is None or not layer.factored_cold:
             # Layers of a budgeted cache (a CurKVCache or a plain cache compressed per layer) differ in length.
             attention_mask = fit_mask(attention_mask, key.shape[-2])
@@ -363,8 +386,18 @@ class RuntimeAttention:
         self.release()
 
 
+def check_ragged_implementation(implementation: str | None) -> None:
+    """A one-line CurKVError unless ``implementation`` can be wrapped to attend over ragged heads (sdpa, eager, or
+    their runtime wrapper)."""
+    wrapped = implementation[len(FACTORED_PREFIX):] if is_factored(implementation) else implementation
+    if wrapped not in WRAPPABLE:
+        raise CurKVError(f"allocation='joint' holds a different number of tokens per KV head, which attention "
+                         f"implementation {implementation!r} cannot take: load the model with "
+                         "attn_implementation='sdpa' or 'eager', or pass TierConfig(allocation='per_head')")
+
+
 def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per_layer: bool = False,
-                              cache: ServedCache | None = None) -> RuntimeAttention:
+                              cache: ServedCache | None = None, ragged: bool = False) -> RuntimeAttention:
     """Hold the runtime's hooks on ``model`` (installed by the first hold) and, with ``factored`` or ``per_layer``,
     its attention switched to the wrapper: it attends to cold blocks through their factors and fits the model's
     mask to each layer's held tokens (layers of a cache with a layer budget hold different counts; the model
@@ -374,16 +407,21 @@ def install_runtime_attention(model: PreTrainedModel, factored: bool = True, per
     Args:
         cache: the cache the hooks serve while the hold lasts (None: only the wrapper's mask fitting, for
             caches compressed elsewhere).
+        ragged: the cache's heads hold different counts (joint allocation): the wrapper is required, and attends
+            over the layer's ragged storage (:func:`ragged_attention_forward`); refused for other implementations.
 
     Returns:
         The hold: release it (or leave its ``with`` block) to remove what it installed; one never released
         leaves the model hooked.
     """
     implementation = model.config._attn_implementation
+    if ragged:
+        check_ragged_implementation(implementation)
     if per_layer and "flex" in (implementation or ""):
         raise CurKVError(f"attention implementation {implementation!r} builds one block mask for layer 0's length, "
                          "and a layer budget holds a different number of tokens in each layer: load the model with "
                          "attn_implementation='sdpa' or 'eager', or pass layer_budget='uniform'")
+    per_layer = per_layer or ragged  # joint layers hold different counts: masks fitted per layer
     if (factored or per_layer) and implementation == "eager":
         _eager_function(attention_modules(model)[0])  # a one-line error before anything is installed
     hooks = _installed.get(model)

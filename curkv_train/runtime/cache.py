@@ -64,8 +64,10 @@ from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.runtime.allocation import LayerBudget, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.cache_config import ComputeConfig, TierConfig, check_whole
+from curkv_train.runtime.joint import across_layers
 from curkv_train.runtime.layer import CurKVLayer
 from curkv_train.runtime.observer import ObservationBuffer
+from curkv_train.runtime.ragged_layer import RaggedCurKVLayer
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 from curkv_train.runtime.tiers import TierSettings
@@ -150,11 +152,17 @@ class CurKVCache(Cache):
         self.scorer, self.model = scorer.compiled() if self.compute.compile_scorer else scorer, model
         self.scoring_batch_tokens = self.tiers.scoring_batch_tokens
         self.awaiting: list[CurKVLayer] = []  # layers whose first compression waits for its group's scores
+        self.joint_chunk = 1  # under joint allocation: layers scored together while the first compression waits
         self.settings = TierSettings.resolve(
             self.tiers, self.compute, keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True),
             max_tokens=max_tokens, n_sink=scorer.n_sink, window=scorer.window, head_dim=scorer.estimator.head_dim,
             layer_budget=resolve_layer_budget(layer_budget, scorer))
-        layers = [CurKVLayer(index, self.settings, self._score, self._observer(index))
+        self.joint = self.settings.allocation == "joint"
+        if self.joint and self.settings.layer_budget is not None:
+            raise CurKVError("allocation='joint' decides each layer's share from the scores and takes no layer budget; "
+                             "pass layer_budget='uniform' (a calibrated scorer's budget is the default)")
+        layer_type = RaggedCurKVLayer if self.joint else CurKVLayer
+        layers = [layer_type(index, self.settings, self._score, self._observer(index))
                   for index in range(scorer.estimator.num_layers)]
         super().__init__(layers=layers)
         if max_bytes is not None:
@@ -168,7 +176,8 @@ class CurKVCache(Cache):
         """Install the runtime's hooks (and attention wrapper) on the model until this cache is closed or collected
         (a finalizer that holds the hold, not the cache)."""
         hold = install_runtime_attention(self.model, factored=self.settings.cold and self.compute.factored_attention,
-                                         per_layer=self.settings.layer_budget is not None, cache=self)
+                                         per_layer=self.settings.layer_budget is not None, cache=self,
+                                         ragged=self.joint)
         self.factored_attention = hold.factored
         self._finalizer = hold.release_with(self)
 
@@ -225,6 +234,8 @@ class CurKVCache(Cache):
         # only a first compression is scored in a group: a layer that has compressed needs no group (a decoding step
         # then asks the scorer nothing)
         group = 1 if layer.compressible_seen else self.scoring_group(key_states)
+        if self.joint and not layer.compressible_seen:  # a first compression waits for every layer's scores
+            self.joint_chunk, group = group, len(self.layers)
         layer.defer_scoring = group > 1
         out = super().update(key_states, value_states, layer_idx, cache_kwargs)
         if layer.awaiting_scores:
@@ -251,9 +262,25 @@ class CurKVCache(Cache):
     def score_awaiting(self) -> None:
         """Score the layers whose compressions wait (:attr:`awaiting`) in one pass, and let them compress."""
         layers, self.awaiting = [layer for layer in self.awaiting if layer.awaiting_scores], []
-        if layers:
+        if layers and self.joint:
+            self.compress_jointly(layers)
+        elif layers:
             for layer, logits in zip(layers, self._score_layers(layers)):
                 layer.compress(logits)
+
+    def compress_jointly(self, layers: list[RaggedCurKVLayer]) -> None:
+        """A prefill's first compression of ``layers`` together: scored :attr:`joint_chunk` layers at a time, then the
+        top competing tokens over all their KV heads kept (:func:`~curkv_train.runtime.joint.across_layers`)."""
+        chunk = max(1, self.joint_chunk)
+        logits = [each for start in range(0, len(layers), chunk)
+                  for each in self._score_layers(layers[start:start + chunk])]
+        competitions = []
+        for layer in layers:
+            layer.awaiting_scores, layer.projected_keys = False, None
+            competitions.append(layer.begin_compression())
+        chosen = across_layers(logits, competitions, self.settings.head_floor)
+        for layer, mask in zip(layers, chosen):
+            layer.finish(mask)
 
     def _score_layers(self, layers: list[CurKVLayer]) -> list[torch.Tensor]:
         """Estimator logits (batch, kv_heads, tokens) of each of ``layers``, every one holding the tokens seen."""

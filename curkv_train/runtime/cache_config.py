@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.core.features import check_matmul_precision
-from curkv_train.core.selection import check_recent_share
+from curkv_train.core.selection import check_allocation, check_head_floor, check_recent_share
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
 
@@ -63,6 +63,12 @@ class TierConfig:
             hold this many of its tokens (:meth:`~curkv_train.runtime.Scorer.score_layers`): the same scores,
             from fewer, larger operators. Until its group is scored a layer holds the whole prompt; 0 or 1
             scores each layer as it runs.
+        allocation: ``per_head``: every (layer, KV head) keeps the same count; ``joint``: a prefill's first
+            compression keeps the top ⌈ρ·N⌉ compressible tokens jointly over every layer and KV head, later ones
+            jointly over each layer's KV heads, and heads hold different counts in ragged storage (the same total;
+            docs/runtime.md, "Joint allocation and ragged storage"). Not with ``cold``.
+        head_floor: under ``joint``, the share of a head's equal share of the places filled by score that it keeps
+            whatever the other heads score, in [0, 1] (training's ``head_floor``).
     """
 
     recent_share: float = 0.5
@@ -81,9 +87,16 @@ class TierConfig:
     compensation: bool = True
     compensation_ratio: float = 0.05
     scoring_batch_tokens: int = SCORING_BATCH_TOKENS
+    allocation: str = "per_head"
+    head_floor: float = 0.1
 
     def __post_init__(self) -> None:
         check_recent_share(self.recent_share)
+        check_allocation(self.allocation)
+        check_head_floor(self.head_floor)
+        if self.allocation == "joint" and self.cold:
+            raise CurKVError("allocation='joint' does not support the cold tier yet; pass cold=False or "
+                             "allocation='per_head'")
         for name, least in (("hot_windows", 1), ("compress_every", 1), ("warm_windows", 0),
                             ("scoring_batch_tokens", 0)):
             check_count(name, getattr(self, name), least)

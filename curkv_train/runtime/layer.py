@@ -44,6 +44,9 @@ class CurKVLayer(CacheLayerMixin):
     """
 
     is_sliding = False
+    # the ragged storage this step's attention reads instead of what update returned (RaggedCurKVLayer, under
+    # joint allocation); never set here
+    ragged_step = None
     keys = buffered("keys", -2)
     values = buffered("values", -2)
     positions = buffered("positions", -1)

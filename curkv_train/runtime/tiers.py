@@ -41,6 +41,8 @@ class TierSettings:
     recent_share: float
     interval: int  # tokens that pile up past the hot tier before a compression
     layer_budget: LayerBudget | None = None
+    allocation: str = "per_head"  # TierConfig.allocation
+    head_floor: float = 0.1  # TierConfig.head_floor
 
     @classmethod
     def resolve(cls, tiers: TierConfig, compute: ComputeConfig, *, keep_ratio: float | str, max_tokens: int | None,
@@ -57,7 +59,8 @@ class TierSettings:
                    cold_channels=half if tiers.cold_channels is None else tiers.cold_channels,
                    cold_core=tiers.cold_core, compensation=tiers.compensation,
                    compensation_ratio=tiers.compensation_ratio, max_tokens=max_tokens, backend=compute.backend,
-                   recent_share=tiers.recent_share, layer_budget=layer_budget)
+                   recent_share=tiers.recent_share, layer_budget=layer_budget, allocation=tiers.allocation,
+                   head_floor=tiers.head_floor)
 
     def __post_init__(self) -> None:
         """The budget's and the resolved spans' checks (TierConfig checked the sizes it was given)."""
