@@ -27,8 +27,10 @@ A step then runs as follows. ``CurKVLayer.update`` returns only the dense tokens
 wrapper finds the layer recorded for its ``module``: with cold blocks pending it runs
 :func:`curkv_train.kernels.factored_attention` (one softmax over [cold | dense], no
 dense copy of a cold block); otherwise it calls the wrapped implementation unchanged,
-so a cache without cold blocks attends exactly as before. Any other attention
-implementation is left alone and the cache reconstructs its cold blocks as before.
+so a cache without cold blocks attends exactly as before. A layer whose KV heads hold different counts (joint
+allocation) leaves its ragged storage in ``layer.ragged_step`` instead, and the wrapper attends over it with
+:func:`curkv_train.kernels.ragged_attention`; such a cache refuses any implementation but sdpa or eager. Any other
+attention implementation is left alone and the cache reconstructs its cold blocks as before.
 
 This module imports no training code and no cache: the hooks read a cache through
 :class:`ServedCache`.

@@ -23,7 +23,9 @@ ones are kept so that the cache holds ⌈ρ·n⌉ tokens for the n seen so far, 
 tier included, as kvpress counts a compression ratio (capped by ``max_tokens`` /
 ``max_bytes``, a fixed-memory budget). Cold blocks are formed once and never re-selected.
 Different heads keep different tokens but always the same count, so K and V stay dense
-(batch, kv_heads, kept, head_dim) tensors.
+(batch, kv_heads, kept, head_dim) tensors. With ``TierConfig(allocation="joint")`` the same totals are shared
+out by score across layers and KV heads and each layer holds ragged storage
+(:mod:`curkv_train.runtime.ragged_layer`, :mod:`curkv_train.runtime.joint`).
 
 The model is touched only while the cache is open: the constructor installs the runtime's hooks
 (:mod:`curkv_train.runtime.attention`) and :meth:`CurKVCache.close`, the end of a ``with`` block
