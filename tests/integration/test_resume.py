@@ -54,42 +54,30 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     assert loader_state == [{"batches_done": MAX_STEPS, "epoch": 0}]
 
 
-def test_ckpt_path_last_resumes_the_newest_version_folder_of_the_default_logger(tmp_path):
-    """Without checkpoint.dirpath each run writes into its own lightning_logs/version_N; ``--ckpt_path last``
-    resumes from version_0's last.ckpt (Lightning alone would look in version_1's empty folder and start over)."""
-    settings = {"trainer": {"max_steps": 2, "limit_val_batches": 0, "enable_progress_bar": False,
-                            "enable_model_summary": False},
-                "checkpoint": {"every_n_train_steps": 2, "save_top_k": -1},
-                "model": {"backend": "torch", "window": 8},
-                "data": {"context_length": 96, "continuation_length": 8, "batch_size": 1, "train_size": 64}}
-    first = run_fit(settings, tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_fit(settings, tmp_path, "--ckpt_path", "last", "--trainer.max_steps", "4")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    runs = tmp_path / "lightning_logs"
-    assert f"--ckpt_path last: {runs / 'version_0' / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
-    second = runs / "version_1" / "checkpoints"
-    assert sorted(path.name for path in second.glob("step=*.ckpt")) == ["step=4.ckpt"]  # no step 2: it resumed there
-    assert torch.load(second / "last.ckpt", weights_only=False)["global_step"] == 4
-
-
-def test_a_run_resumed_from_an_epoch_end_checkpoint_matches_an_uninterrupted_one(tmp_path):
-    """An epoch of 4 batches and a checkpoint at step 4: the resumed run trains the next epoch's blocks
-    (it trained nothing: the loader resumed "after 4 of 4 batches" with nothing left)."""
-    def settings(steps: int, ckpt_dir) -> dict:
-        return {"trainer": {"max_steps": steps, "limit_val_batches": 0, "logger": False, "enable_progress_bar": False,
-                            "enable_model_summary": False},
-                "checkpoint": checkpoint_config(ckpt_dir, 4),
+def test_a_run_resumed_at_an_epoch_end_from_the_newest_version_folder_matches_an_uninterrupted_one(tmp_path):
+    """An epoch of 4 batches and a checkpoint at step 4: the resumed run trains the next epoch's blocks (it
+    trained nothing once: the loader resumed "after 4 of 4 batches" with nothing left). Without
+    checkpoint.dirpath each run writes into its own lightning_logs/version_N; ``--ckpt_path last`` resumes from
+    version_0's last.ckpt (Lightning alone would look in version_1's empty folder and start over)."""
+    def settings(steps: int, ckpt_dir=None) -> dict:
+        checkpoint = checkpoint_config(ckpt_dir, 4) if ckpt_dir else {"every_n_train_steps": 4, "save_top_k": -1}
+        return {"trainer": {"max_steps": steps, "limit_val_batches": 0, "logger": ckpt_dir is None,
+                            "enable_progress_bar": False, "enable_model_summary": False},
+                "checkpoint": checkpoint,
                 "model": {"backend": "torch", "window": 8},
                 "data": {"context_length": 96, "continuation_length": 8, "batch_size": 2, "train_size": 8}}
 
     whole = run_fit(settings(8, tmp_path / "whole" / "ckpt"), tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    first = run_fit(settings(4, tmp_path / "split" / "ckpt"), tmp_path / "split")
+    split = tmp_path / "split"
+    first = run_fit(settings(4), split)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_fit(settings(8, tmp_path / "split" / "ckpt"), tmp_path / "split", "--ckpt_path", "last")
+    resumed = run_fit(settings(8), split, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final = torch.load(tmp_path / "split" / "ckpt" / "last.ckpt", weights_only=False)
-    assert final["global_step"] == 8
+    runs = split / "lightning_logs"
+    assert f"--ckpt_path last: {runs / 'version_0' / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
+    second = runs / "version_1" / "checkpoints"
+    assert sorted(path.name for path in second.glob("step=*.ckpt")) == ["step=8.ckpt"]  # no step 4: it resumed there
+    assert torch.load(second / "last.ckpt", weights_only=False)["global_step"] == 8
     assert_same_estimator(estimator_state(tmp_path / "whole" / "ckpt" / "last.ckpt"),
-                          estimator_state(tmp_path / "split" / "ckpt" / "last.ckpt"), atol=1e-6)
+                          estimator_state(second / "last.ckpt"), atol=1e-6)
