@@ -36,3 +36,14 @@ def family_scorer(family: str, key_view: str = "pre_rope", n_sink: int = 4, wind
         for parameter in estimator.parameters():
             parameter.normal_()
     return Scorer(estimator.eval(), key_view=key_view, n_sink=n_sink, window=window)
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    """(1, length) random token ids of the tiny Llama's vocabulary, seeded."""
+    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids: torch.Tensor, cache=None, new: int = 40) -> torch.Tensor:
+    """``new`` greedy tokens after ``ids`` (1, tokens) through ``cache`` (None: the model's own), no EOS stop."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          past_key_values=cache, pad_token_id=0, eos_token_id=None)

@@ -14,7 +14,7 @@ from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig, cur
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.attention import cache_layer_of
-from runtime_helpers import TORCH, random_scorer
+from runtime_helpers import TORCH, prompt, random_scorer
 
 WINDOW, N_SINK = 16, 4
 COLD = TierConfig(cold=True)
@@ -32,10 +32,6 @@ def model():
 @pytest.fixture(scope="module")
 def scorer():
     return random_scorer(n_sink=N_SINK, window=WINDOW)
-
-
-def prompt(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def test_caches_share_one_installation_and_the_wrapper(model, scorer):

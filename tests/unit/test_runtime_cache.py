@@ -10,7 +10,7 @@ from curkv_train.core.errors import CurKVError
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.models.seed_estimator import ValueEstimator
 from curkv_train.runtime import ComputeConfig, CurKVCache, Scorer, TierConfig
-from runtime_helpers import TORCH, family_scorer, random_scorer
+from runtime_helpers import TORCH, family_scorer, greedy, prompt, random_scorer
 
 WINDOW, N_SINK = 16, 4
 TIERS_OFF = TierConfig(hot=False)  # the hot tier down to one window, no cold tier
@@ -22,15 +22,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 @pytest.fixture(scope="module")
 def scorer():
     return random_scorer(n_sink=N_SINK, window=WINDOW)
-
-
-def prompt(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def greedy(model, ids: torch.Tensor, cache=None, new: int = 40) -> torch.Tensor:
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                          past_key_values=cache, pad_token_id=0, eos_token_id=None)
 
 
 def decode(model, ids: torch.Tensor, cache, new: int, on_step) -> None:

@@ -12,7 +12,7 @@ from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import CurKVCache, LayerBudget, TierConfig
 from curkv_train.runtime.attention import check_ragged_implementation
 from curkv_train.runtime.joint import joint_choice
-from runtime_helpers import TORCH, random_scorer
+from runtime_helpers import TORCH, greedy, prompt, random_scorer
 
 WINDOW, N_SINK = 16, 4
 JOINT = TierConfig(allocation="joint")
@@ -23,15 +23,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 @pytest.fixture(scope="module")
 def scorer():
     return random_scorer(n_sink=N_SINK, window=WINDOW)
-
-
-def prompt(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def greedy(model, ids: torch.Tensor, cache=None, new: int = 40) -> torch.Tensor:
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                          past_key_values=cache, pad_token_id=0, eos_token_id=None)
 
 
 def prefilled(model, scorer, ids: torch.Tensor, keep_ratio: float, tiers: TierConfig) -> CurKVCache:
