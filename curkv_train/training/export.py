@@ -25,7 +25,6 @@ from curkv_train.models.families import build_estimator
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import model_fingerprint, save_scorer
-from curkv_train.training.objective import TrainingSettings
 from curkv_train.training.system import LAYER_BUDGET_KEY, SETTINGS_KEY
 
 log = logging.getLogger(__name__)
@@ -156,18 +155,9 @@ def training_record(ckpt: Path, checkpoint: dict) -> dict:
         "global_step": checkpoint.get("global_step"),
         "epoch": checkpoint.get("epoch"),
         "lightning_version": checkpoint.get("pytorch-lightning_version"),
-        "last_step_settings": last_step_settings(checkpoint),
+        "last_step_settings": checkpoint.get(SETTINGS_KEY),
         "last_stage": last_stage(checkpoint),
     }
-
-
-def last_step_settings(checkpoint: dict) -> dict | None:
-    """The training settings of the checkpoint's last step, ``allocation`` and ``head_floor`` included (a checkpoint
-    that predates them trained per head)."""
-    settings = checkpoint.get(SETTINGS_KEY)
-    if settings is None:
-        return None
-    return {"allocation": "per_head", "head_floor": TrainingSettings.head_floor, **settings}
 
 
 def last_stage(checkpoint: dict) -> dict | None:

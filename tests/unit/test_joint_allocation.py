@@ -11,10 +11,10 @@ from curkv_train.core.selection import (check_head_floor, compressible_mask, joi
 from curkv_train.models.base import TINY_RANDOM
 from curkv_train.runtime import load_scorer
 from curkv_train.training.callbacks.curriculum import Curriculum, Stage
-from curkv_train.training.export import export, last_step_settings
+from curkv_train.training.export import export
 from curkv_train.training.objective import (EVICTED_WEIGHT, BudgetController, TrainingSettings, budget_keep,
                                             keep_bias)
-from curkv_train.training.system import SETTINGS_KEY, CurKVModule
+from curkv_train.training.system import CurKVModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 LAYERS, BATCH, HEADS, TOKENS = 3, 2, 2, 37
@@ -176,6 +176,3 @@ def test_export_records_the_allocation(tmp_path):
     torch.save(checkpoint, path)
     settings = load_scorer(export(path, tmp_path / "exported")).metadata["training"]["last_step_settings"]
     assert (settings["allocation"], settings["head_floor"]) == ("joint", 0.2)
-    older = {name: value for name, value in checkpoint[SETTINGS_KEY].items()
-             if name not in ("allocation", "head_floor")}
-    assert last_step_settings({SETTINGS_KEY: older})["allocation"] == "per_head"  # written before joint existed
