@@ -6,12 +6,14 @@ import functools
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 from transformers.utils import logging as hf_logging
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig,
+                          PretrainedConfig, PreTrainedModel, Qwen3Config)
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.models.embedded import EMBEDDED_MODELS, embedded_model_dir, embedded_name_of, ensure_bos
@@ -21,6 +23,8 @@ log = logging.getLogger(__name__)
 hf_logging.disable_progress_bar()
 
 TINY_RANDOM = "tiny-random-llama"
+TINY_RANDOM_GEMMA3 = "tiny-random-gemma3"
+TINY_RANDOM_QWEN3 = "tiny-random-qwen3"
 
 
 def tiny_llama_config(vocab_size: int = 512) -> LlamaConfig:
@@ -35,6 +39,49 @@ def tiny_llama_config(vocab_size: int = 512) -> LlamaConfig:
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     )
+
+
+def tiny_gemma3_config(vocab_size: int = 512) -> Gemma3TextConfig:
+    """A 4-layer Gemma 3 for tests: sliding (window 16) and full-attention layers alternating, head_dim 256 with
+    one KV head (Gemma 3 270M's geometry), QK-norm, a logit scale from ``query_pre_attn_scalar`` (64) that is
+    not head_dim^-0.5, and local / global RoPE bases."""
+    return Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_qwen3_config(vocab_size: int = 512) -> Qwen3Config:
+    """A 2-layer Qwen3 for tests: QK-norm, head_dim 256, 4 query / 2 KV heads, every layer full attention."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=256,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+# Random models built from a config (no download), each with the byte-level tokenizer: name -> config builder.
+TINY_MODELS: dict[str, Callable[[], PretrainedConfig]] = {
+    TINY_RANDOM: tiny_llama_config,
+    TINY_RANDOM_GEMMA3: tiny_gemma3_config,
+    TINY_RANDOM_QWEN3: tiny_qwen3_config,
+}
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
@@ -54,7 +101,7 @@ def resolve_model_source(name_or_path: str, fallback: str | None = None) -> str:
     """
     if fallback is None:
         fallback = _embedded_copy_of(name_or_path)
-    if name_or_path == TINY_RANDOM:
+    if name_or_path in TINY_MODELS:
         return name_or_path
     if name_or_path.startswith("embedded:"):
         return str(embedded_model_dir(name_or_path.removeprefix("embedded:")))
@@ -112,11 +159,12 @@ def load_base_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """Load a causal LM frozen, by hub id, local folder, ``embedded:NAME`` or ``tiny-random-llama``."""
+    """Load a causal LM frozen, by hub id, local folder, ``embedded:NAME`` or a :data:`TINY_MODELS` name (random
+    weights from seed 0)."""
     source = resolve_model_source(name_or_path, fallback)
-    if source == TINY_RANDOM:
+    if source in TINY_MODELS:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(TINY_MODELS[source](), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     if attn_implementation is not None:
@@ -126,12 +174,12 @@ def load_base_model(
 
 
 def load_tokenizer(name_or_path: str, *, fallback: str | None = None):
-    """Tokenizer matching :func:`load_base_model`; the tiny random model uses a byte-level stand-in.
+    """Tokenizer matching :func:`load_base_model`; the tiny random models use a byte-level stand-in.
 
     A model that needs ``<bos>`` first (Gemma 3) gets a tokenizer checked to prepend it.
     """
     source = resolve_model_source(name_or_path, fallback)
-    if source == TINY_RANDOM:
+    if source in TINY_MODELS:
         from curkv_train.models.byte_tokenizer import byte_tokenizer
 
         return byte_tokenizer()

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from curkv_train.core.shapes import KVShape, kv_shape  # noqa: F401  (re-exported for plan)
 from curkv_train.core.errors import CurKVError
-from curkv_train.models.base import TINY_RANDOM, freeze, hub_reachable, resolve_model_source, tiny_llama_config
+from curkv_train.models.base import TINY_MODELS, freeze, hub_reachable, resolve_model_source
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +44,15 @@ def shipped_model_ids() -> list[str]:
 def load_model_config(name_or_path: str) -> PretrainedConfig:
     """The architecture config of a base model, never its weights.
 
-    Local folders, ``embedded:NAME`` and ``tiny-random-llama`` resolve as in
+    Local folders, ``embedded:NAME`` and the tiny random models' names resolve as in
     :func:`~curkv_train.models.base.load_base_model`. A hub id is read from the hub
     (or the local Hugging Face cache) when that works, else from the shipped copy.
 
     Raises:
         CurKVError: the config is neither reachable nor shipped.
     """
-    if name_or_path == TINY_RANDOM:
-        return tiny_llama_config()
+    if name_or_path in TINY_MODELS:
+        return TINY_MODELS[name_or_path]()
     if name_or_path.startswith(("embedded:", ".", "/", "~")) or Path(name_or_path).is_dir():
         return AutoConfig.from_pretrained(resolve_model_source(name_or_path))
     try:

@@ -1,7 +1,8 @@
 """Capture: prefill the context once without grad and keep what the estimator and the objective read.
 
 The frozen model runs over the context once; the capture keeps its cache (post-RoPE keys and
-values, reused by the teacher, the student and the reconstruction pass) and, when the
+values, reused by the teacher, the student and the reconstruction pass), the keys as projected
+(pre-RoPE, after ``k_norm`` where the model normalises keys) and, when the
 estimator family needs them, every layer's attention inputs of every context token (the
 ``query_aware`` family reads the observation window and the statistics of all queries, the
 ``hidden`` family each token's hidden state). :func:`estimator_inputs`
@@ -11,7 +12,9 @@ through the same feature function the runtime uses.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -19,8 +22,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.training.scored_attention import CompressionState
-from curkv_train.core.observation import (HiddenRecorder, Observation, attention_module, observe_queries,
-                                          pre_rope_queries)
+from curkv_train.core.observation import (HiddenRecorder, Observation, attention_module, attention_modules,
+                                          observe_queries, pre_rope_queries)
 from curkv_train.core.rope import key_view
 from curkv_train.models.seed_estimator import EstimatorInputs
 
@@ -34,12 +37,15 @@ class ContextCapture:
         cache: the base model's cache after the context (post-RoPE keys), cropped back to the
             context after every pass that extends it.
         values: (layers, batch, kv_heads, context, head_dim) float32 values.
+        pre_rope_keys: (layers, batch, kv_heads, context, head_dim) float32 keys before RoPE, as the
+            model projected (and normalised) them.
         hidden: per layer, (batch, context, hidden_size) attention inputs, or None when not recorded.
     """
 
     context_ids: torch.Tensor
     cache: DynamicCache
     values: torch.Tensor
+    pre_rope_keys: torch.Tensor
     hidden: list[torch.Tensor] | None = None
     _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -65,21 +71,65 @@ class ContextCapture:
         return observe_queries(self._queries[layer][:, :, :end], skip)
 
 
+class KeyRecorder:
+    """Records every layer's pre-RoPE keys during the forward passes inside :meth:`recording`.
+
+    A forward hook on each ``k_proj`` keeps its output; :meth:`layers` applies the module's ``k_norm``
+    (Qwen3, Gemma 3) to it, per head vector, so the keys are those RoPE rotates, whatever layout the
+    model's own forward normalises them in.
+    """
+
+    def __init__(self) -> None:
+        self.projected: dict[int, torch.Tensor] = {}
+        self.modules: dict[int, nn.Module] = {}
+
+    def _record(self, attention: nn.Module, projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.projected[attention.layer_idx] = output.detach()
+        self.modules[attention.layer_idx] = attention
+
+    @contextmanager
+    def recording(self, model: PreTrainedModel) -> Iterator["KeyRecorder"]:
+        """Record while the block runs (forward hooks on every key projection, removed after)."""
+        hooks = [module.k_proj.register_forward_hook(functools.partial(self._record, module))
+                 for module in attention_modules(model)]
+        try:
+            yield self
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def layers(self) -> torch.Tensor:
+        """(layers, batch, kv_heads, tokens, head_dim) float32 pre-RoPE keys of the recorded pass."""
+        return torch.stack([self.layer(index) for index in sorted(self.projected)])
+
+    def layer(self, index: int) -> torch.Tensor:
+        """(batch, kv_heads, tokens, head_dim) float32 pre-RoPE keys of layer ``index``."""
+        module, projected = self.modules[index], self.projected[index]
+        keys = projected.view(*projected.shape[:2], -1, module.head_dim)
+        k_norm = getattr(module, "k_norm", None)
+        return (k_norm(keys) if k_norm is not None else keys).transpose(1, 2).float()
+
+
 @torch.no_grad()
 def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, record_hidden: bool = False) -> ContextCapture:
-    """Run the frozen model over ``context_ids`` (batch, context) once and keep its K/V.
+    """Run the frozen model over ``context_ids`` (batch, context) once and keep its K/V and pre-RoPE keys.
+
+    Every layer's cache keeps the whole context, sliding-window layers' too (their own cache would drop
+    its oldest tokens and could not be cropped back after a continuation); the sliding layers' masks
+    still show each query only its window, so every pass attends as the plain model does.
 
     Args:
         record_hidden: also keep every layer's attention inputs.
     """
-    cache = DynamicCache(config=model.config)
-    recorder = HiddenRecorder()
-    with recorder.recording(model) if record_hidden else nullcontext():
+    cache = DynamicCache()
+    hidden_recorder, key_recorder = HiddenRecorder(), KeyRecorder()
+    with hidden_recorder.recording(model) if record_hidden else nullcontext(), key_recorder.recording(model):
         model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True,
                             curkv_state=CompressionState(mode="full"))
     values = torch.stack([layer.values.float() for layer in cache.layers])
-    hidden = recorder.layers() if record_hidden else None
-    return ContextCapture(context_ids=context_ids, cache=cache, values=values, hidden=hidden)
+    hidden = hidden_recorder.layers() if record_hidden else None
+    return ContextCapture(context_ids=context_ids, cache=cache, values=values, pre_rope_keys=key_recorder.layers(),
+                          hidden=hidden)
 
 
 def continue_from(model: PreTrainedModel, capture: ContextCapture, continuation_ids: torch.Tensor,
@@ -107,13 +157,15 @@ def reconstruction_target(model: PreTrainedModel, capture: ContextCapture, promp
         prompt_ids: (prompt,) token ids of the repeat instruction.
 
     Returns:
-        (layers, batch, kv_heads, context) float32 (see :mod:`curkv_train.training.reconstruction`).
+        (full layers, batch, kv_heads, context) float32, one row per full-attention layer in layer order
+        (:func:`~curkv_train.training.scored_attention.full_attention_layers`; sliding-window layers are
+        never compressed and get no target); see :mod:`curkv_train.training.reconstruction`.
     """
     batch = capture.context_ids.shape[0]
     ids = torch.cat([prompt_ids.to(capture.context_ids.device).expand(batch, -1), capture.context_ids], dim=1)
     state = CompressionState("reconstruct", capture.context_length, backend=backend)
     continue_from(model, capture, ids, state)
-    return torch.stack([state.reconstruction[layer] for layer in range(len(state.reconstruction))])
+    return torch.stack([state.reconstruction[layer] for layer in sorted(state.reconstruction)])
 
 
 def estimator_inputs(model: PreTrainedModel, estimator: nn.Module, capture: ContextCapture, view: str,
@@ -139,5 +191,8 @@ def estimator_inputs(model: PreTrainedModel, estimator: nn.Module, capture: Cont
     if "token_scores" in estimator.needs:
         hidden = torch.stack([capture.hidden[layer][:, :end] for layer in layers])
         token_scores = estimator.token_scores(hidden)
-    viewed = torch.stack([key_view(model, keys[layer], positions, view, end) for layer in layers])
+    if view == "pre_rope":  # as projected: no RoPE tables to invert (Gemma 3's differ between layer types)
+        viewed = capture.pre_rope_keys[:, :, :, :end]
+    else:
+        viewed = torch.stack([key_view(model, keys[layer], positions, view, end) for layer in layers])
     return EstimatorInputs(viewed, values, positions, end, query_features=features, token_scores=token_scores)

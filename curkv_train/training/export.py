@@ -20,7 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from curkv_train.core.shapes import kv_shape
 from curkv_train.core.errors import CurKVError
-from curkv_train.models.base import TINY_RANDOM, resolve_model_source, tiny_llama_config
+from curkv_train.models.base import TINY_MODELS, resolve_model_source
 from curkv_train.models.families import build_estimator
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.scorer import Scorer
@@ -50,10 +50,10 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def base_config(name: str, fallback: str | None = None) -> PretrainedConfig:
-    """The base model's config by hub id, local folder, ``embedded:NAME`` or ``tiny-random-llama``."""
+    """The base model's config by hub id, local folder, ``embedded:NAME`` or a tiny random model's name."""
     source = resolve_model_source(name, fallback)
-    if source == TINY_RANDOM:
-        return tiny_llama_config()
+    if source in TINY_MODELS:
+        return TINY_MODELS[source]()
     return AutoConfig.from_pretrained(source)
 
 

@@ -245,7 +245,8 @@ class BudgetController(nn.Module):
     joint allocation's, :func:`budget_keep`) broadcasts: one gap for every (layer, head).
 
     Args:
-        num_layers, num_kv_heads: the multiplier grid.
+        num_layers, num_kv_heads: the multiplier grid (the full-attention layers only: a hybrid model's
+            sliding-window layers are never compressed).
         mode: one of BUDGET_MODES.
         dual_lr: dual ascent step size for ``lagrange``.
     """

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
-from curkv_train.training.scored_attention import CompressionState, patch_model
+from curkv_train.training.scored_attention import CompressionState, full_attention_layers, patch_model
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.selection import check_allocation, check_head_floor, check_keep_ratio, compressible_mask
 from curkv_train.core.shapes import kv_shape
@@ -39,8 +39,13 @@ class CurKVModule(L.LightningModule):
     Only estimator parameters are optimized and checkpointed; the base model is
     loaded in :meth:`configure_model` (so strategies such as FSDP can shard it).
 
+    Only full-attention layers are compressed (a hybrid model's sliding-window layers attend as the plain
+    model does): the estimator keeps a row per layer, but the biases, the budget term, the dense target and
+    the allocation read the rows of :attr:`full_layers` only.
+
     Args:
-        base_model: hub id, local folder, ``embedded:NAME`` or ``tiny-random-llama``.
+        base_model: hub id, local folder, ``embedded:NAME`` or a tiny random model (``tiny-random-llama``,
+            ``tiny-random-gemma3``, ``tiny-random-qwen3``).
         base_fallback: loaded instead when ``base_model`` is unreachable.
         base_dtype: float32, bfloat16 or float16 for the frozen base.
         estimator: the estimator family: seed, query_aware or hidden.
@@ -97,6 +102,7 @@ class CurKVModule(L.LightningModule):
                                          head_floor=head_floor)
         self.check_settings(self.settings)
         self.base = None
+        self.full_layers: list[int] = []
         self.estimator = None
         self.budget: BudgetController | None = None
         self.layer_budget: LayerBudget | None = None
@@ -134,8 +140,10 @@ class CurKVModule(L.LightningModule):
         self._ddp_params_and_buffers_to_ignore = [f"base.{name}" for name, _ in self.base.named_parameters()]
         self._ddp_params_and_buffers_to_ignore += [f"base.{name}" for name, _ in self.base.named_buffers()]
         shape = kv_shape(self.base.config)
+        self.full_layers = full_attention_layers(self.base.config)
         self.estimator = build_estimator(hp.estimator, shape, **(hp.estimator_options or {}))
-        self.budget = BudgetController(shape.num_layers, shape.num_kv_heads, mode=hp.budget_mode, dual_lr=hp.dual_lr)
+        self.budget = BudgetController(len(self.full_layers), shape.num_kv_heads, mode=hp.budget_mode,
+                                       dual_lr=hp.dual_lr)
         if hp.init_scorer:
             self.load_init_scorer(hp.init_scorer)
         if hp.layer_budget:
@@ -180,8 +188,23 @@ class CurKVModule(L.LightningModule):
         return budget
 
     def layer_ratios(self, keep_ratio: float) -> KeepRatio:
-        """ρ for every layer, or with a layer budget its split into ρ_l per layer (mean ρ)."""
-        return keep_ratio if self.layer_budget is None else self.layer_budget.ratios(keep_ratio)
+        """ρ for every full-attention layer, or with a layer budget its split into ρ_l, one per full layer."""
+        if self.layer_budget is None:
+            return keep_ratio
+        ratios = self.layer_budget.ratios(keep_ratio)
+        return [ratios[layer] for layer in self.full_layers]
+
+    def full_rows(self, per_layer: torch.Tensor) -> torch.Tensor:
+        """The rows of ``per_layer`` (layers, ...) that belong to full-attention layers, (full layers, ...)."""
+        if len(self.full_layers) == per_layer.shape[0]:
+            return per_layer
+        return per_layer[torch.tensor(self.full_layers, device=per_layer.device)]
+
+    def layer_biases(self, bias: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per model layer, the bias (batch, kv_heads, context) of ``bias`` (full layers, batch, kv_heads,
+        context), None for a sliding-window layer (never compressed)."""
+        rows = dict(zip(self.full_layers, bias))
+        return [rows.get(layer) for layer in range(kv_shape(self.base.config).num_layers)]
 
     def capture_context(self, input_ids: torch.Tensor, context_length: int) -> ContextCapture:
         """Prefill the context without grad, recording the attention inputs if the estimator family reads them.
@@ -234,7 +257,7 @@ class CurKVModule(L.LightningModule):
         return self.reconstruction_prompt
 
     def dense_target(self, capture: ContextCapture) -> torch.Tensor:
-        """Reconstruction scores (layers, batch, kv_heads, context) of the context (the dense target)."""
+        """Reconstruction scores (full layers, batch, kv_heads, context) of the context (the dense target)."""
         prompt = self.prompt_ids()
         self.check_positions(2 * capture.context_length + len(prompt), "the reconstruction pass")
         return reconstruction_target(self.base, capture, prompt, backend=self.hparams.backend)
@@ -249,10 +272,10 @@ class CurKVModule(L.LightningModule):
         """Student pass against the teacher: loss terms and keep statistics.
 
         Args:
-            target: the dense target (layers, batch, kv_heads, context), or None to leave its term out.
+            target: the dense target (full layers, batch, kv_heads, context), or None to leave its term out.
         """
         hp = self.hparams
-        logits = self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view))
+        logits = self.full_rows(self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view)))
         compressible, ratios = self.compressible(capture), self.layer_ratios(settings.keep_ratio)
         if settings.streaming_rounds:
             bias, scores = self.streaming_bias(capture, logits, settings, ratios)
@@ -276,10 +299,12 @@ class CurKVModule(L.LightningModule):
                        ratios: KeepRatio) -> tuple[torch.Tensor, torch.Tensor]:
         """Biases of the context compressed in ``settings.streaming_rounds`` rounds ``compress_every`` windows apart,
         each scored at its own end (:func:`~curkv_train.training.objective.streaming_keep_bias`) and kept at ``ratios``
-        (:meth:`layer_ratios` of the step's ρ); ``logits`` are the last round's."""
+        (:meth:`layer_ratios` of the step's ρ); ``logits`` (full layers, batch, kv_heads, context) are the last
+        round's."""
         hp = self.hparams
         ends = streaming_ends(capture.context_length, settings.streaming_rounds, settings.compress_every * hp.window)
-        round_logits = [self.estimator(estimator_inputs(self.base, self.estimator, capture, hp.key_view, end=end))
+        round_logits = [self.full_rows(self.estimator(estimator_inputs(self.base, self.estimator, capture,
+                                                                       hp.key_view, end=end)))
                         for end in ends[:-1]] + [logits]
         return streaming_keep_bias(round_logits, ends, n_sink=hp.n_sink, hot=settings.hot_windows * hp.window,
                                    temperature=settings.temperature, keep_ratio=ratios, hard=settings.hard_topk,
@@ -288,11 +313,11 @@ class CurKVModule(L.LightningModule):
     def warm_start_loss(self, capture: ContextCapture, target: torch.Tensor) -> torch.Tensor:
         """The dense ranking term alone (warm start: no continuation, no backward through the LLM)."""
         logits = self.estimator(estimator_inputs(self.base, self.estimator, capture, self.hparams.key_view))
-        return dense_loss(logits, target, self.compressible(capture))
+        return dense_loss(self.full_rows(logits), target, self.compressible(capture))
 
     def student_hidden(self, capture: ContextCapture, continuation: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Continuation hidden states (batch, M, hidden) with ``bias`` (layers, batch, kv_heads, context)."""
-        state = CompressionState("scored", capture.context_length, list(bias), self.hparams.backend)
+        """Continuation hidden states (batch, M, hidden) with ``bias`` (full layers, batch, kv_heads, context)."""
+        state = CompressionState("scored", capture.context_length, self.layer_biases(bias), self.hparams.backend)
         return continue_from(self.base, capture, continuation, state)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -316,10 +341,11 @@ class CurKVModule(L.LightningModule):
         if target is not None:
             self.log("train/dense", out["dense"], batch_size=size)
         effective = (out["scores"] > 0.5).float().mean(dim=(1, 2, 3))
-        self.log_dict({f"keep_layer/{layer:02d}": value for layer, value in enumerate(effective)}, batch_size=size)
+        self.log_dict({f"keep_layer/{layer:02d}": value for layer, value in zip(self.full_layers, effective)},
+                      batch_size=size)
         if out["kept_layer"] is not None:  # what the hard mask kept, where the allocation put it
-            self.log_dict({f"kept_layer/{layer:02d}": value for layer, value in enumerate(out["kept_layer"])},
-                          batch_size=size)
+            kept = zip(self.full_layers, out["kept_layer"])
+            self.log_dict({f"kept_layer/{layer:02d}": value for layer, value in kept}, batch_size=size)
         return out["loss"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
@@ -344,7 +370,7 @@ class CurKVModule(L.LightningModule):
     def recent_window_kl(self, capture: ContextCapture, continuation: torch.Tensor, teacher: torch.Tensor,
                          keep_ratio: float) -> torch.Tensor:
         """KL of keeping the most recent ⌈ρ·n⌉ compressible tokens (StreamingLLM; ρ_l under a layer budget)."""
-        recency = capture.positions.float().expand_as(capture.values[..., 0])
+        recency = capture.positions.float().expand(len(self.full_layers), *capture.values.shape[1:4])
         bias, _ = keep_bias(recency, self.compressible(capture), temperature=1.0,
                             keep_ratio=self.layer_ratios(keep_ratio), hard=True)
         student = self.student_hidden(capture, continuation, bias)
