@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from curkv_train.core.observation import Observation, QueryStatistics
-from curkv_train.core.rope import average_rotation, rotary_module, rotary_tables, rotate
+from curkv_train.core.rope import average_rotation, fixed_frequencies, rotary_module, rotary_tables, rotate
 from curkv_train.core.errors import CurKVError
 from curkv_train.kernels.limits import SUPPORTED_DTYPES, tileable_head_dim, triton_available
 
@@ -237,7 +237,8 @@ def future_rotation(model: PreTrainedModel, end: int, future_positions: int, hea
     rotary = rotary_module(model)
     if rotary is None:
         return average_rotation(model, end, future_positions, head_dim, like)
-    key = (end, future_positions, head_dim, like.device, rotary.inv_freq.data_ptr(), rotary.inv_freq._version)
+    frequencies, _ = fixed_frequencies(rotary)
+    key = (end, future_positions, head_dim, like.device, frequencies.data_ptr(), frequencies._version)
     cached = _future_rotations.get(rotary)
     if cached is None or cached[0] != key:
         cached = (key, average_rotation(model, end, future_positions, head_dim, like))

@@ -18,6 +18,10 @@ from curkv_train.core.observation import decoder_of
 KEY_VIEWS = ("pre_rope", "end_relative", "post_rope")
 
 
+# the layer type a per-layer-type rotary module (Gemma 3) is read for: a hybrid model's sliding layers are never scored
+FULL_ATTENTION = "full_attention"
+
+
 def rotary_module(model: PreTrainedModel) -> torch.nn.Module | None:
     """The decoder's rotary embedding module (``rotary_emb``), or None for a model without RoPE."""
     return getattr(decoder_of(model), "rotary_emb", None)
@@ -51,20 +55,32 @@ def rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: torch.T
     """(cos, sin) of shape (*positions.shape, head_dim) float32 for ``positions``, or None without RoPE.
 
     ``positions`` is (tokens,) or has leading dims, e.g. (batch, kv_heads, tokens) when
-    each head holds a different set of tokens.
+    each head holds a different set of tokens. A module with one set of frequencies per layer type (Gemma 3) gives
+    the full-attention layers' (only those are scored).
     """
     rotary = rotary_module(model)
     if rotary is None:
         return None
+    layer_type = {} if "inv_freq" in rotary._buffers else {"layer_type": FULL_ATTENTION}
     with state_kept(rotary) if rescales(rotary) else nullcontext():
-        cos, sin = rotary(like, positions.reshape(1, -1).to(like.device))
+        cos, sin = rotary(like, positions.reshape(1, -1).to(like.device), **layer_type)
     shape = (*positions.shape, cos.shape[-1])
     return cos[0].float().reshape(shape), sin[0].float().reshape(shape)
+
+
+def fixed_frequencies(rotary: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """``rotary``'s (head_dim // 2,) inverse frequencies and attention scaling; for a module holding one set per
+    layer type (Gemma 3's sliding and full attention), the full-attention layers' set: only those are scored."""
+    if "inv_freq" in rotary._buffers:
+        return rotary.inv_freq, rotary.attention_scaling
+    return getattr(rotary, f"{FULL_ATTENTION}_inv_freq"), getattr(rotary, f"{FULL_ATTENTION}_attention_scaling")
 
 
 def rescales(rotary: torch.nn.Module) -> bool:
     """Whether ``rotary``'s forward changes its frequencies with the positions it gets (dynamic NTK, longrope)."""
     rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, dict):  # one per layer type (Gemma 3)
+        rope_type = rope_type.get(FULL_ATTENTION, "default")
     return "dynamic" in rope_type or rope_type == "longrope"
 
 
@@ -97,8 +113,8 @@ def pair_rotary_tables(model: PreTrainedModel, positions: torch.Tensor, like: to
     if rescales(rotary):
         cos, sin = rotary_tables(model, positions, like)
         return cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
-    angles = positions.to(like.device).float()[..., None] * rotary.inv_freq.float()
-    scaling = rotary.attention_scaling
+    frequencies, scaling = fixed_frequencies(rotary)
+    angles = positions.to(like.device).float()[..., None] * frequencies.float()
     return ((angles.cos() * scaling).to(like.dtype).float(), (angles.sin() * scaling).to(like.dtype).float())
 
 
@@ -167,8 +183,8 @@ def position_table(model: PreTrainedModel, end: int, like: torch.Tensor) -> torc
     :func:`pair_rotary_tables` at position p, for a rotary module whose frequencies are fixed. Kept per module (while
     it lives), grown when a longer sequence asks, remade if ``inv_freq`` changes."""
     rotary = rotary_module(model)
-    frequencies = rotary.inv_freq
-    key = (like.device, like.dtype, frequencies.data_ptr(), frequencies._version, rotary.attention_scaling)
+    frequencies, scaling = fixed_frequencies(rotary)
+    key = (like.device, like.dtype, frequencies.data_ptr(), frequencies._version, scaling)
     cached = _position_tables.get(rotary)
     if cached is None or cached[0] != key or cached[1].shape[0] < end:
         size = 1 << max(int(end) - 1, 255).bit_length()

@@ -43,7 +43,7 @@ class RecencyCache(CurKVCache):
         if self.observe or not self.scorer.scores_on_arrival:
             return super().bytes_per_token()
         shape = kv_shape(self.model.config)
-        return super().bytes_per_token() - 4 * shape.num_layers * shape.num_kv_heads
+        return super().bytes_per_token() - 4 * len(self.compressed_layers) * shape.num_kv_heads
 
     def observation_bytes(self) -> int:
         """Bytes of the observation: none without ``observe``."""

@@ -68,13 +68,15 @@ AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 class ServedCache(Protocol):
     """What the hooks read from a cache they serve (a :class:`~curkv_train.runtime.cache.CurKVCache`)."""
 
-    layers: list[CurKVLayer]
-    sliding_window: int | None  # the model's window over every layer, or None
+    layers: list  # CurKVLayers, and a hybrid model's sliding-window layers (transformers' own)
+    sliding_window: int | None  # the model's window over every compressed layer, or None
     factored_attention: bool  # whether the cache may attend to its cold blocks through their factors
 
 
 # attention module -> (a weak reference to) the cache layer its current call uses; read by the factored wrapper
 _current_layers: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+# attention module -> the new tokens of its current call (how the projections' outputs are laid out)
+_current_tokens: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def is_factored(implementation: str | None) -> bool:
@@ -102,15 +104,19 @@ def record_cache_layer(served: weakref.WeakSet, module: nn.Module, args: tuple[A
         _current_layers.pop(module, None)
         return
     layer = cache.layers[module.layer_idx]
+    if not isinstance(layer, CurKVLayer):  # a hybrid model's sliding-window layer: nothing to record or wrap
+        _current_layers.pop(module, None)
+        return
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     if cache.sliding_window:  # the first layer checks every layer's count: a refused step is refused before any
         # layer appended (under a layer budget layer 0 may hold fewer than the one that refuses)
-        counts = [each.held_tokens for each in cache.layers] if module.layer_idx == 0 else [layer.held_tokens]
+        counts = [each.held_tokens for each in cache.layers if isinstance(each, CurKVLayer)] if module.layer_idx == 0 else [layer.held_tokens]
         check_within_window(cache.sliding_window, max(counts), hidden_states.shape[1])
     layer.observe_hidden(hidden_states)
     implementation = getattr(module.config, "_attn_implementation", None)
     layer.factored_attention = cache.factored_attention and is_factored(implementation)
     _current_layers[module] = weakref.ref(layer)
+    _current_tokens[module] = hidden_states.shape[1]
 
 
 def refuse_padding(served: weakref.WeakSet, decoder: nn.Module, args: tuple[Any, ...],
@@ -145,13 +151,27 @@ def record_keys(attention: weakref.ref, projection: nn.Module, args: tuple[Any, 
 
 def projected_heads(attention: nn.Module | None,
                     output: torch.Tensor) -> tuple[CurKVLayer | None, torch.Tensor | None]:
-    """The cache layer recorded for ``attention`` (:func:`record_cache_layer`), and its projection's output
-    (batch, new, heads · head_dim) as (batch, heads, new, head_dim); (None, None) without one."""
+    """The cache layer recorded for ``attention`` (:func:`record_cache_layer`), and its projection's output as
+    (batch, heads, new, head_dim); (None, None) without one.
+
+    The output is a linear's (batch, new, heads · head_dim), a norm's before the heads are moved (Qwen 3:
+    (batch, new, heads, head_dim)) or after (Gemma 3: (batch, heads, new, head_dim)); the new-token count of the call
+    and, where heads and tokens are as many, the strides tell the two norms apart."""
     layer = None if attention is None else cache_layer_of(attention)
     if layer is None:
         return None, None
+    if output.dim() == 4 and heads_first(output, _current_tokens.get(attention, -1)):
+        return layer, output
     batch, tokens = output.shape[0], output.shape[1]
     return layer, output.reshape(batch, tokens, -1, attention.head_dim).transpose(1, 2)
+
+
+def heads_first(output: torch.Tensor, tokens: int) -> bool:
+    """Whether a norm's 4D ``output`` is (batch, heads, tokens, head_dim) rather than (batch, tokens, heads,
+    head_dim), for a call of ``tokens`` new tokens."""
+    if output.shape[1] != output.shape[2]:
+        return output.shape[2] == tokens
+    return output.stride(1) < output.stride(2)  # heads moved after the projection: a transposed view's strides
 
 
 def check_within_window(window: int | None, held: int, new: int) -> None:
@@ -342,6 +362,7 @@ class ModelHooks:
                 module = reference()
                 if module is not None:
                     _current_layers.pop(module, None)
+                    _current_tokens.pop(module, None)
             _installed.pop(model, None)
 
 

@@ -66,6 +66,7 @@ from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.runtime.allocation import LayerBudget, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
 from curkv_train.runtime.cache_config import ComputeConfig, TierConfig, check_whole
+from curkv_train.runtime.hybrid import SlidingWindowLayer, sliding_layers, sliding_window_of
 from curkv_train.runtime.joint import across_layers
 from curkv_train.runtime.layer import CurKVLayer
 from curkv_train.runtime.observer import ObservationBuffer
@@ -80,14 +81,15 @@ Config = TypeVar("Config", TierConfig, ComputeConfig)
 
 
 def check_full_attention(model: PreTrainedModel) -> int | None:
-    """CurKVError unless every layer of ``model`` attends fully; returns the sliding window its masks apply to every
-    layer (Mistral-style configs: a warning, and :func:`~curkv_train.runtime.attention.record_cache_layer` refuses a
-    step whose held and new tokens outgrow it), or None."""
-    config = text_config(model.config)
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise CurKVError(f"CurKVCache supports full-attention layers only, the model has {sorted(layer_types)}")
-    window = getattr(config, "sliding_window", None)
+    """The sliding window the model's masks apply to every compressed layer, or None; a CurKVError for layer types
+    other than full and sliding attention (:func:`~curkv_train.runtime.hybrid.sliding_layers`).
+
+    A hybrid model's window applies to its sliding-window layers only, which the cache keeps as transformers does:
+    None. A Mistral-style config (a window, no sliding layer types) gets a warning, and
+    :func:`~curkv_train.runtime.attention.record_cache_layer` refuses a step whose held and new tokens outgrow it."""
+    if sliding_layers(model):
+        return None
+    window = getattr(text_config(model.config), "sliding_window", None)
     if window:
         log.warning("the model's sliding window (%s tokens) is not applied to compressed tokens: the cache serves "
                     "it while held and new tokens fit in the window, and refuses a step past it", window)
@@ -163,16 +165,32 @@ class CurKVCache(Cache):
         if self.joint and self.settings.layer_budget is not None:
             raise CurKVError("allocation='joint' decides each layer's share from the scores and takes no layer budget; "
                              "pass layer_budget='uniform' (a calibrated scorer's budget is the default)")
-        layer_type = RaggedCurKVLayer if self.joint else CurKVLayer
-        layers = [layer_type(index, self.settings, self._score, self._observer(index))
-                  for index in range(scorer.estimator.num_layers)]
-        super().__init__(layers=layers)
+        self.sliding = frozenset(sliding_layers(model))
+        if self.sliding and self.settings.layer_budget is not None:
+            raise CurKVError("a layer budget on a hybrid model (sliding-window layers) is not supported yet; "
+                             "pass layer_budget='uniform'")
+        super().__init__(layers=self._build_layers(scorer.estimator.num_layers))
+        self.last_compressed = self.compressed_layers[-1].layer_idx  # a pass's last scored layer
         if max_bytes is not None:
             budget = self.tokens_within(max_bytes)
             self.settings = dataclasses.replace(self.settings, max_tokens=min(budget, max_tokens or budget))
-            for layer in self.layers:
+            for layer in self.compressed_layers:
                 layer.settings = self.settings
         self._hold_model()
+
+    def _build_layers(self, num_layers: int) -> list[CurKVLayer | SlidingWindowLayer]:
+        """One cache layer per decoder layer: a compressed one (ragged under joint allocation), or transformers'
+        sliding-window layer for a hybrid model's sliding layers (docs/runtime.md, "Hybrid models")."""
+        layer_type = RaggedCurKVLayer if self.joint else CurKVLayer
+        window = sliding_window_of(self.model) if self.sliding else 0
+        return [SlidingWindowLayer(window) if index in self.sliding
+                else layer_type(index, self.settings, self._score, self._observer(index))
+                for index in range(num_layers)]
+
+    @property
+    def compressed_layers(self) -> list[CurKVLayer]:
+        """The layers the cache compresses: every layer but a hybrid model's sliding-window ones."""
+        return [layer for layer in self.layers if isinstance(layer, CurKVLayer)]
 
     def _hold_model(self) -> None:
         """Install the runtime's hooks (and attention wrapper) on the model until this cache is closed or collected
@@ -233,16 +251,18 @@ class CurKVCache(Cache):
         if self.awaiting and layer_idx <= self.awaiting[-1].layer_idx:  # a pass stopped before its last layer
             self.score_awaiting()
         layer = self.layers[layer_idx]
+        if not isinstance(layer, CurKVLayer):  # a hybrid model's sliding-window layer, held as transformers does
+            return super().update(key_states, value_states, layer_idx, cache_kwargs)
         # only a first compression is scored in a group: a layer that has compressed needs no group (a decoding step
         # then asks the scorer nothing)
         group = 1 if layer.compressible_seen else self.scoring_group(key_states)
         if self.joint and not layer.compressible_seen:  # a first compression waits for every layer's scores
-            self.joint_chunk, group = group, len(self.layers)
+            self.joint_chunk, group = group, len(self.compressed_layers)
         layer.defer_scoring = group > 1
         out = super().update(key_states, value_states, layer_idx, cache_kwargs)
         if layer.awaiting_scores:
             self.awaiting.append(layer)
-        if self.awaiting and (len(self.awaiting) >= group or layer_idx == len(self.layers) - 1):
+        if self.awaiting and (len(self.awaiting) >= group or layer_idx == self.last_compressed):
             self.score_awaiting()
         return out
 
@@ -302,54 +322,78 @@ class CurKVCache(Cache):
                                        token_scores=token_scores, projected_keys=projected_keys)
 
     def nbytes(self) -> int:
-        """Bytes actually held by the cache: K/V, CUR factors, residuals and position bookkeeping."""
+        """Bytes actually held by the cache, every layer counted: K/V, CUR factors, residuals and position
+        bookkeeping of the compressed layers, and a hybrid model's sliding-window layers as they hold them."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def held_tokens(self, layer_idx: int = 0) -> int:
-        """Tokens held per (batch, KV head) in layer ``layer_idx`` (all tiers)."""
+        """Tokens held per (batch, KV head) in layer ``layer_idx`` (all tiers; a sliding-window layer's window)."""
         return self.layers[layer_idx].held_tokens
 
-    def tier_sizes(self, layer_idx: int = 0) -> dict[str, int]:
-        """Tokens per (batch, KV head) in each tier of layer ``layer_idx``, and the tokens seen."""
+    def compressed_layer(self, layer_idx: int) -> CurKVLayer:
+        """Layer ``layer_idx`` if the cache compresses it, else a one-line CurKVError (a sliding-window layer)."""
         layer = self.layers[layer_idx]
+        if not isinstance(layer, CurKVLayer):
+            raise CurKVError(f"layer {layer_idx} is a sliding-window layer, held as transformers holds it, without "
+                             f"tiers; ask a full-attention layer ({sorted(set(range(len(self.layers))) - self.sliding)})")
+        return layer
+
+    def tier_sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        """Tokens per (batch, KV head) in each tier of layer ``layer_idx`` (a compressed one), and the tokens seen."""
+        layer = self.compressed_layer(layer_idx)
         return {"seen": layer.seen, "sink": layer.n_sink_held, "hot": layer.n_hot, "warm": layer.n_warm,
                 "cold": layer.cold_tokens}
 
     def bytes_per_token(self) -> int:
-        """Bytes one dense token costs the whole cache: K and V of every layer and KV head, its position
+        """Bytes one dense token costs the compressed layers: K and V of every such layer and KV head, its position
         (int32 counted) and, for scorers that score on arrival, its stored score."""
         shape = kv_shape(self.model.config)
         element = torch.empty((), dtype=self.model.dtype).element_size()
         per_head = 2 * shape.head_dim * element + 4 + (4 if self.scorer.scores_on_arrival else 0)
-        return shape.num_layers * shape.num_kv_heads * per_head
+        return len(self.compressed_layers) * shape.num_kv_heads * per_head
+
+    def sliding_bytes(self) -> int:
+        """Most bytes a hybrid model's sliding-window layers hold for one sequence: K and V of their window of
+        tokens (0 without such layers)."""
+        if not self.sliding:
+            return 0
+        shape = kv_shape(self.model.config)
+        element = torch.empty((), dtype=self.model.dtype).element_size()
+        return len(self.sliding) * shape.num_kv_heads * sliding_window_of(self.model) * 2 * shape.head_dim * element
 
     def observation_bytes(self) -> int:
-        """Bytes the observation takes once filled, whatever the length: per layer the ring of the window's
-        pre-RoPE queries (query heads × head_dim wide, which need not be the hidden size) and their moments."""
+        """Bytes the observation takes once filled, whatever the length: per compressed layer the ring of the
+        window's pre-RoPE queries (query heads × head_dim wide, which need not be the hidden size) and their
+        moments."""
         shape = kv_shape(self.model.config)
         window = self.scorer.observation_window
         if not window:
             return 0
         element = torch.empty((), dtype=self.model.dtype).element_size()
         ring = window * shape.num_attention_heads * shape.head_dim * element
-        return shape.num_layers * (ring + QueryStatistics.nbytes_for(shape.num_attention_heads, shape.head_dim))
+        return len(self.compressed_layers) * (ring + QueryStatistics.nbytes_for(shape.num_attention_heads,
+                                                                                shape.head_dim))
 
     def tokens_within(self, max_bytes: int) -> int:
-        """Tokens per (layer, KV head) a budget of ``max_bytes`` for one sequence's cache pays for: all but one of
-        the slots it pays for, the one the token that triggers a compression is written into before the
-        compression replaces the tensors."""
+        """Tokens per (compressed layer, KV head) a budget of ``max_bytes`` for one sequence's cache pays for, once
+        the sliding-window layers' windows and the observation are paid: all but one of the slots it pays for, the
+        one the token that triggers a compression is written into before the compression replaces the tensors."""
         check_whole("max_bytes", max_bytes)
-        budget = (max_bytes - self.observation_bytes()) // self.bytes_per_token() - 1
+        fixed = self.sliding_bytes() + self.observation_bytes()
+        if self.sliding and max_bytes <= fixed:
+            raise CurKVError(f"max_bytes {max_bytes} does not cover the {self.sliding_bytes()} bytes the model's "
+                             f"sliding-window layers hold (and the scorer's observation); give more than {fixed} bytes")
+        budget = (max_bytes - fixed) // self.bytes_per_token() - 1
         if budget < self.settings.fixed_tokens:
             raise CurKVError(f"max_bytes {max_bytes} pays for {max(budget, 0)} tokens per (layer, KV head), fewer than "
                              f"the {self.settings.fixed_tokens} every layer always holds (n_sink + hot tier + interval - 1)"
-                             f"; give at least {(self.settings.fixed_tokens + 1) * self.bytes_per_token() + self.observation_bytes()} "
+                             f"; give at least {(self.settings.fixed_tokens + 1) * self.bytes_per_token() + fixed} "
                              "bytes or lower n_sink / window / hot_windows / compress_every")
         return budget
 
     def token_bound(self, layer_idx: int = 0) -> int:
-        """Most tokens layer ``layer_idx`` may hold per (batch, KV head) at its current length."""
-        layer, settings = self.layers[layer_idx], self.settings
+        """Most tokens layer ``layer_idx`` (a compressed one) may hold per (batch, KV head) at its current length."""
+        layer, settings = self.compressed_layer(layer_idx), self.settings
         pending = settings.hot_tokens + settings.interval - 1
         last_compression = layer.compressible_seen + layer.n_sink_held + settings.hot_tokens  # tokens seen then
         return settings.n_sink + pending + settings.target(layer.compressible_seen, last_compression, layer_idx)

@@ -22,6 +22,7 @@ from curkv_train.core.observation import attention_modules
 from curkv_train.core.selection import compressible_mask
 from curkv_train.runtime.allocation import LayerBudget, check_layer_budget_choice, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
+from curkv_train.runtime.hybrid import sliding_layers
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import load_scorer
 
@@ -52,7 +53,8 @@ class CurKVPress(ScorerPress):
 
     Budget: kvpress keeps ``max(1, int(n·(1 − compression_ratio)))`` of *all* n tokens,
     protected ones included, as CurKVCache counts them: the protected tokens come out of that
-    budget (only part of the protected span is kept if the budget is smaller than it).
+    budget (only part of the protected span is kept if the budget is smaller than it). On a hybrid
+    model only the full-attention layers are compressed; its sliding-window layers keep their window.
 
     Parameters
     ----------
@@ -80,6 +82,8 @@ class CurKVPress(ScorerPress):
     layer_budget: str | LayerBudget = "scorer"
     scorer_precision: str | None = None
     model: PreTrainedModel | None = field(default=None, init=False, repr=False, compare=False)
+    # a hybrid model's sliding-window layers: left as the cache holds them
+    sliding: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
     # caches compressed per layer whose lifetime holds the attention wrapper (weakly: they go when the user drops them)
     budgeted_caches: weakref.WeakSet = field(default_factory=weakref.WeakSet, init=False, repr=False, compare=False)
 
@@ -92,9 +96,14 @@ class CurKVPress(ScorerPress):
             check_matmul_precision(self.scorer_precision)
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
-        """Load the scorer (checked against ``model``) and keep the model for its rotary tables."""
+        """Load the scorer (checked against ``model``), keep the model for its rotary tables and note its
+        sliding-window layers (a hybrid model's: never compressed)."""
         if not isinstance(self.scorer, Scorer):
             self.scorer = load_scorer(self.scorer, model=model)
+        self.sliding = frozenset(sliding_layers(model))
+        if self.sliding and self.budget is not None:
+            raise CurKVError("a layer budget on a hybrid model (sliding-window layers) is not supported yet; "
+                             "pass layer_budget='uniform'")
         if self.scorer_precision is not None:
             self.scorer = replace(self.scorer, matmul_precision=self.scorer_precision)
         self.model = model
@@ -159,12 +168,15 @@ class CurKVPress(ScorerPress):
 
     def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """kvpress's top-k compaction, at layer ``module.layer_idx``'s own ratio under a layer budget.
+        """kvpress's top-k compaction, at layer ``module.layer_idx``'s own ratio under a layer budget; a hybrid
+        model's sliding-window layer is returned untouched (it holds its window already).
 
         Args:
             keys, values: (batch, kv_heads, tokens, head_dim); returned with ``int(tokens·ρ_l)`` tokens
             (at least 1).
         """
+        if module.layer_idx in self.sliding:
+            return keys, values
         budget = self.budget
         if budget is None or self.compression_ratio == 0:
             return super().compress(module, hidden_states, keys, values, attentions, kwargs)
