@@ -12,14 +12,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Gemma2Config
 
+from curkv_train.core.errors import CurKVError
 from curkv_train.core.observation import attention_module
 from curkv_train.core.selection import kept_count
 from curkv_train.models.base import TINY_RANDOM_GEMMA3, TINY_RANDOM_QWEN3, load_base_model
 from curkv_train.core.rope import rotate
 from curkv_train.training.capture import estimator_inputs
 from curkv_train.training.objective import TrainingSettings, keep_bias
-from curkv_train.training.scored_attention import CompressionState, curkv_attention_forward, full_attention_layers
+from curkv_train.training.scored_attention import (CompressionState, curkv_attention_forward, full_attention_layers,
+                                                   patch_model)
 from curkv_train.training.system import CurKVModule
 
 CONTEXT, CONTINUATION = 48, 16  # past the tiny Gemma 3's sliding window of 16
@@ -89,9 +92,11 @@ def test_compression_moves_the_student(module):
     assert (teacher - student).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("settings, dense", [(TrainingSettings(keep_ratio=0.5), True),
-                                             (TrainingSettings(keep_ratio=0.4, hard_topk=True, allocation="joint"),
-                                              False)])
+@pytest.mark.parametrize("settings, dense", [
+    (TrainingSettings(keep_ratio=0.5), True),
+    (TrainingSettings(keep_ratio=0.4, hard_topk=True, allocation="joint"), False),
+    (TrainingSettings(keep_ratio=0.5, hard_topk=True, streaming_rounds=2, hot_windows=1, compress_every=1), False),
+], ids=["soft-dense", "hard-joint", "streaming"])
 def test_a_training_step_reaches_full_layers_only(module, settings, dense):
     ids = token_ids()
     module.estimator.zero_grad()
@@ -180,3 +185,11 @@ def test_pre_rope_keys_are_the_normalised_projections(module):
         cos, sin = decoder.rotary_emb(capture.values, positions, *([kind] if gemma else []))
         rotated = rotate(capture.pre_rope_keys[layer], cos[:, None], sin[:, None])
         torch.testing.assert_close(rotated, capture.cached_keys(layer).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_soft_capped_attention_is_refused():
+    """Gemma 2 caps its attention logits, which the curkv attention does not: refused with a one-line error."""
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
+    with pytest.raises(CurKVError, match="attn_logit_softcapping"):
+        patch_model(AutoModelForCausalLM.from_config(config))
