@@ -38,14 +38,14 @@ class ContextCapture:
             context after every pass that extends it.
         values: (layers, batch, kv_heads, context, head_dim) float32 values.
         pre_rope_keys: (layers, batch, kv_heads, context, head_dim) float32 keys before RoPE, as the
-            model projected (and normalised) them.
+            model projected (and normalised) them, or None when not recorded.
         hidden: per layer, (batch, context, hidden_size) attention inputs, or None when not recorded.
     """
 
     context_ids: torch.Tensor
     cache: DynamicCache
     values: torch.Tensor
-    pre_rope_keys: torch.Tensor
+    pre_rope_keys: torch.Tensor | None = None
     hidden: list[torch.Tensor] | None = None
     _queries: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -111,8 +111,9 @@ class KeyRecorder:
 
 
 @torch.no_grad()
-def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, record_hidden: bool = False) -> ContextCapture:
-    """Run the frozen model over ``context_ids`` (batch, context) once and keep its K/V and pre-RoPE keys.
+def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, record_hidden: bool = False,
+                    record_keys: bool = True) -> ContextCapture:
+    """Run the frozen model over ``context_ids`` (batch, context) once and keep its K/V (and pre-RoPE keys).
 
     Every layer's cache keeps the whole context, sliding-window layers' too (their own cache would drop
     its oldest tokens and could not be cropped back after a continuation); the sliding layers' masks
@@ -120,16 +121,18 @@ def prefill_context(model: PreTrainedModel, context_ids: torch.Tensor, record_hi
 
     Args:
         record_hidden: also keep every layer's attention inputs.
+        record_keys: also keep every layer's pre-RoPE keys (what the ``pre_rope`` key view reads).
     """
     cache = DynamicCache()
     hidden_recorder, key_recorder = HiddenRecorder(), KeyRecorder()
-    with hidden_recorder.recording(model) if record_hidden else nullcontext(), key_recorder.recording(model):
+    with (hidden_recorder.recording(model) if record_hidden else nullcontext(),
+          key_recorder.recording(model) if record_keys else nullcontext()):
         model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True,
                             curkv_state=CompressionState(mode="full"))
     values = torch.stack([layer.values.float() for layer in cache.layers])
     hidden = hidden_recorder.layers() if record_hidden else None
-    return ContextCapture(context_ids=context_ids, cache=cache, values=values, pre_rope_keys=key_recorder.layers(),
-                          hidden=hidden)
+    keys = key_recorder.layers() if record_keys else None
+    return ContextCapture(context_ids=context_ids, cache=cache, values=values, pre_rope_keys=keys, hidden=hidden)
 
 
 def continue_from(model: PreTrainedModel, capture: ContextCapture, continuation_ids: torch.Tensor,
@@ -191,7 +194,7 @@ def estimator_inputs(model: PreTrainedModel, estimator: nn.Module, capture: Cont
     if "token_scores" in estimator.needs:
         hidden = torch.stack([capture.hidden[layer][:, :end] for layer in layers])
         token_scores = estimator.token_scores(hidden)
-    if view == "pre_rope":  # as projected: no RoPE tables to invert (Gemma 3's differ between layer types)
+    if view == "pre_rope" and capture.pre_rope_keys is not None:  # as projected: no RoPE table to invert
         viewed = capture.pre_rope_keys[:, :, :, :end]
     else:
         viewed = torch.stack([key_view(model, keys[layer], positions, view, end) for layer in layers])

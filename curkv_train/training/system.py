@@ -214,7 +214,8 @@ class CurKVModule(L.LightningModule):
             context_length: tokens of the compressed context.
         """
         self.check_positions(input_ids.shape[1], "sequence")
-        return prefill_context(self.base, input_ids[:, :context_length], record_hidden=bool(self.estimator.needs))
+        return prefill_context(self.base, input_ids[:, :context_length], record_hidden=bool(self.estimator.needs),
+                               record_keys=self.hparams.key_view == "pre_rope")
 
     @torch.no_grad()
     def teacher_hidden(self, capture: ContextCapture, continuation: torch.Tensor) -> torch.Tensor:
