@@ -27,6 +27,9 @@ Different heads keep different tokens but always the same count, so K and V stay
 out by score across layers and KV heads and each layer holds ragged storage
 (:mod:`curkv_train.runtime.ragged_layer`, :mod:`curkv_train.runtime.joint`).
 
+A hybrid model's sliding-window layers (``config.layer_types``) are held as transformers holds them and never
+compressed; only its full-attention layers are (:mod:`curkv_train.runtime.hybrid`, docs/runtime.md "Hybrid models").
+
 The model is touched only while the cache is open: the constructor installs the runtime's hooks
 (:mod:`curkv_train.runtime.attention`) and :meth:`CurKVCache.close`, the end of a ``with`` block
 or the cache's collection removes them and restores the attention implementation.

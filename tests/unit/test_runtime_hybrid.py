@@ -248,3 +248,19 @@ def test_a_full_layers_cached_keys_turn_back_into_its_normed_keys(gemma):
     keys = cache.layers[1].keys
     unrotated = key_view(gemma, keys, torch.arange(40), "pre_rope", end=40)
     torch.testing.assert_close(unrotated, seen["keys"], atol=1e-4, rtol=1e-4)  # Gemma 3 norms (batch, heads, ...)
+
+
+@pytest.mark.parametrize("layer_types, refusal", [
+    (["linear_attention", "full_attention"], "linear_attention"),
+    (["sliding_attention", "sliding_attention"], "no full-attention layer"),
+])
+def test_other_layer_types_and_all_sliding_models_are_refused_in_one_line(layer_types, refusal):
+    from types import SimpleNamespace
+
+    from curkv_train.runtime.hybrid import sliding_layers
+
+    config = Qwen3Config(**SMALL, num_hidden_layers=2, num_key_value_heads=2)
+    config.layer_types = layer_types
+    with pytest.raises(CurKVError, match=refusal) as error:
+        sliding_layers(SimpleNamespace(config=config))
+    assert "\n" not in str(error.value)
