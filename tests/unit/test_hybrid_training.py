@@ -21,8 +21,8 @@ from curkv_train.models.base import TINY_RANDOM_GEMMA3, TINY_RANDOM_QWEN3, load_
 from curkv_train.core.rope import rotate
 from curkv_train.training.capture import estimator_inputs
 from curkv_train.training.objective import TrainingSettings, keep_bias
-from curkv_train.training.scored_attention import (CompressionState, curkv_attention_forward, full_attention_layers,
-                                                   patch_model)
+from curkv_train.training.scored_attention import (CompressionState, check_layer_types, curkv_attention_forward,
+                                                   full_attention_layers, patch_model)
 from curkv_train.training.system import CurKVModule
 
 CONTEXT, CONTINUATION = 48, 16  # past the tiny Gemma 3's sliding window of 16
@@ -193,3 +193,12 @@ def test_soft_capped_attention_is_refused():
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8)
     with pytest.raises(CurKVError, match="attn_logit_softcapping"):
         patch_model(AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.parametrize("layer_types, message", [(["sliding_attention"] * 2, "every layer"),
+                                                   (["chunked_attention", "full_attention"], "chunked_attention")])
+def test_bases_without_a_full_layer_or_with_other_layer_types_are_refused(layer_types, message):
+    config = load_base_model(TINY_RANDOM_QWEN3).config
+    config.layer_types = layer_types
+    with pytest.raises(CurKVError, match=message):
+        check_layer_types(config)
