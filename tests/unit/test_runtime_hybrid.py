@@ -177,11 +177,17 @@ def test_joint_allocation_shares_the_full_layers_tokens(gemma):
 
 
 def test_a_layer_budget_on_a_hybrid_model_is_refused_in_one_line(gemma):
-    from curkv_train.runtime import LayerBudget
+    from curkv_train.runtime import CurKVPress, LayerBudget
 
+    budget = LayerBudget((1.0, 2.0, 3.0, 4.0))
     with pytest.raises(CurKVError, match="layer_budget='uniform'") as error:
-        CurKVCache(scorer_for(gemma), gemma, keep_ratio=0.5, layer_budget=LayerBudget((1.0, 2.0, 3.0, 4.0)))
+        CurKVCache(scorer_for(gemma), gemma, keep_ratio=0.5, layer_budget=budget)
     assert "\n" not in str(error.value)
+    press, hooks = CurKVPress(scorer=scorer_for(gemma), compression_ratio=0.5, layer_budget=budget), hook_count(gemma)
+    with pytest.raises(CurKVError, match="layer_budget='uniform'"):
+        with press(gemma):
+            pass
+    assert hook_count(gemma) == hooks and gemma.config._attn_implementation == "sdpa"
 
 
 def test_tiers_of_a_sliding_layer_are_refused_in_one_line(gemma):
