@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, Gemma2Config
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.core.observation import attention_module
+from curkv_train.core.rope import rotate
 from curkv_train.core.selection import kept_count
 from curkv_train.models.base import TINY_RANDOM_GEMMA3, TINY_RANDOM_QWEN3, load_base_model
-from curkv_train.core.rope import rotate
 from curkv_train.training.capture import estimator_inputs
 from curkv_train.training.objective import TrainingSettings, keep_bias
 from curkv_train.training.scored_attention import (CompressionState, check_layer_types, curkv_attention_forward,
