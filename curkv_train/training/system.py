@@ -147,6 +147,9 @@ class CurKVModule(L.LightningModule):
         if hp.init_scorer:
             self.load_init_scorer(hp.init_scorer)
         if hp.layer_budget:
+            if len(self.full_layers) < shape.num_layers:
+                raise CurKVError("a layer budget on a hybrid base (sliding-window layers) is not supported, as the "
+                                 "runtime does not support it; drop model.layer_budget")
             self.layer_budget = self.load_layer_budget(hp.layer_budget)
 
     def load_base(self):
@@ -188,11 +191,8 @@ class CurKVModule(L.LightningModule):
         return budget
 
     def layer_ratios(self, keep_ratio: float) -> KeepRatio:
-        """ρ for every full-attention layer, or with a layer budget its split into ρ_l, one per full layer."""
-        if self.layer_budget is None:
-            return keep_ratio
-        ratios = self.layer_budget.ratios(keep_ratio)
-        return [ratios[layer] for layer in self.full_layers]
+        """ρ for every layer, or with a layer budget its split into ρ_l per layer (mean ρ; never on a hybrid base)."""
+        return keep_ratio if self.layer_budget is None else self.layer_budget.ratios(keep_ratio)
 
     def full_rows(self, per_layer: torch.Tensor) -> torch.Tensor:
         """The rows of ``per_layer`` (layers, ...) that belong to full-attention layers, (full layers, ...)."""

@@ -202,3 +202,10 @@ def test_bases_without_a_full_layer_or_with_other_layer_types_are_refused(layer_
     config.layer_types = layer_types
     with pytest.raises(CurKVError, match=message):
         check_layer_types(config)
+
+
+def test_a_layer_budget_on_a_hybrid_base_is_refused():
+    """The runtime refuses a layer budget on a hybrid model, so training does too (before reading the budget)."""
+    module = CurKVModule(base_model=TINY_RANDOM_GEMMA3, layer_budget="checkpoints/any")
+    with pytest.raises(CurKVError, match="layer budget on a hybrid base"):
+        module.configure_model()
