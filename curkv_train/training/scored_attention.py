@@ -30,12 +30,12 @@ from curkv_train.core.errors import CurKVError
 from curkv_train.core.shapes import check_unpadded, text_config
 from curkv_train.kernels import scored_attention
 from curkv_train.kernels.reference import causal_key_mask
+from curkv_train.runtime.hybrid import sliding_layers
 from curkv_train.training.reconstruction import reconstruction_scores
 
 ATTENTION_NAME = "curkv"
 MODES = ("full", "reconstruct", "scored")
 FULL_ATTENTION = "full_attention"  # the ``config.layer_types`` entry of a layer whose cache grows with the context
-LAYER_TYPES = (FULL_ATTENTION, "sliding_attention")  # what training takes: compressed, or attended as it is
 
 
 @dataclass
@@ -112,19 +112,6 @@ def full_attention_layers(config: PretrainedConfig) -> list[int]:
     return [layer for layer, kind in enumerate(types) if kind == FULL_ATTENTION]
 
 
-def check_layer_types(config: PretrainedConfig) -> None:
-    """A CurKVError for a base whose ``config.layer_types`` name a kind of layer other than full or sliding-window
-    attention, or that has no full-attention layer to compress."""
-    types = getattr(text_config(config), "layer_types", None) or [FULL_ATTENTION]
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise CurKVError(f"the base has {', '.join(unknown)} layers; curkv-train trains on bases whose layer_types are "
-                         f"{' or '.join(LAYER_TYPES)}: pick such a base")
-    if FULL_ATTENTION not in types:
-        raise CurKVError("every layer of the base attends over a sliding window, so no cache grows to compress: "
-                         "pick a base with full_attention layers")
-
-
 def is_full_attention(module: torch.nn.Module) -> bool:
     """Whether attention ``module`` (its ``config`` and ``layer_idx``) is a full-attention layer."""
     return module.layer_idx in full_attention_layers(module.config)
@@ -145,10 +132,10 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
     """Route every decoder layer of ``model`` through the ``curkv`` attention function.
 
     A model whose attention soft-caps its logits (Gemma 2) is refused: the fused path does not cap them; so is
-    one with layer types other than full and sliding-window attention, or none of the full kind
-    (:func:`check_layer_types`).
+    one with layer types other than full and sliding-window attention, or none of the full kind, as the runtime
+    refuses them (:func:`~curkv_train.runtime.hybrid.sliding_layers`).
     """
-    check_layer_types(model.config)
+    sliding_layers(model)
     softcap = getattr(text_config(model.config), "attn_logit_softcapping", None)
     if softcap is not None:
         raise CurKVError(f"{type(model).__name__} soft-caps its attention logits at {softcap}, which the curkv "

@@ -21,8 +21,8 @@ from curkv_train.core.selection import kept_count
 from curkv_train.models.base import TINY_RANDOM_GEMMA3, TINY_RANDOM_QWEN3, load_base_model
 from curkv_train.training.capture import estimator_inputs
 from curkv_train.training.objective import TrainingSettings, keep_bias
-from curkv_train.training.scored_attention import (CompressionState, check_layer_types, curkv_attention_forward,
-                                                   full_attention_layers, patch_model)
+from curkv_train.training.scored_attention import (CompressionState, curkv_attention_forward, full_attention_layers,
+                                                   patch_model)
 from curkv_train.training.system import CurKVModule
 
 CONTEXT, CONTINUATION = 48, 16  # past the tiny Gemma 3's sliding window of 16
@@ -198,10 +198,10 @@ def test_soft_capped_attention_is_refused():
 @pytest.mark.parametrize("layer_types, message", [(["sliding_attention"] * 2, "every layer"),
                                                    (["chunked_attention", "full_attention"], "chunked_attention")])
 def test_bases_without_a_full_layer_or_with_other_layer_types_are_refused(layer_types, message):
-    config = load_base_model(TINY_RANDOM_QWEN3).config
-    config.layer_types = layer_types
+    model = load_base_model(TINY_RANDOM_QWEN3)
+    model.config.layer_types = layer_types
     with pytest.raises(CurKVError, match=message):
-        check_layer_types(config)
+        patch_model(model)
 
 
 def test_a_layer_budget_on_a_hybrid_base_is_refused():
