@@ -200,14 +200,20 @@ class HiddenRecorder:
     @contextmanager
     def recording(self, model: PreTrainedModel) -> Iterator["HiddenRecorder"]:
         """Record while the block runs (forward pre-hooks on every attention module, removed after)."""
-        hooks = [module.register_forward_pre_hook(self._record, with_kwargs=True)
-                 for module in attention_modules(model)]
-        try:
+        with removed_after([module.register_forward_pre_hook(self._record, with_kwargs=True)
+                            for module in attention_modules(model)]):
             yield self
-        finally:
-            for hook in hooks:
-                hook.remove()
 
     def layers(self) -> list[torch.Tensor]:
         """Recorded hidden states per layer, (batch, tokens, hidden_size) each."""
         return [self.hidden[index] for index in sorted(self.hidden)]
+
+
+@contextmanager
+def removed_after(hooks: list[torch.utils.hooks.RemovableHandle]) -> Iterator[None]:
+    """Run the block, then remove ``hooks`` (also when it raises)."""
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()

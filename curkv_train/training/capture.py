@@ -23,7 +23,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.training.scored_attention import CompressionState
 from curkv_train.core.observation import (HiddenRecorder, Observation, attention_module, attention_modules,
-                                          observe_queries, pre_rope_queries)
+                                          observe_queries, pre_rope_queries, removed_after)
 from curkv_train.core.rope import key_view
 from curkv_train.models.seed_estimator import EstimatorInputs
 
@@ -90,13 +90,9 @@ class KeyRecorder:
     @contextmanager
     def recording(self, model: PreTrainedModel) -> Iterator["KeyRecorder"]:
         """Record while the block runs (forward hooks on every key projection, removed after)."""
-        hooks = [module.k_proj.register_forward_hook(functools.partial(self._record, module))
-                 for module in attention_modules(model)]
-        try:
+        with removed_after([module.k_proj.register_forward_hook(functools.partial(self._record, module))
+                            for module in attention_modules(model)]):
             yield self
-        finally:
-            for hook in hooks:
-                hook.remove()
 
     def layers(self) -> torch.Tensor:
         """(layers, batch, kv_heads, tokens, head_dim) float32 pre-RoPE keys of the recorded pass."""
