@@ -26,3 +26,14 @@ def test_scoring_cost_runs_with_every_attention_sized_feature_skipped():
     low, high = record["score_share_range"]
     assert 0 < low <= record["score_share"] <= high
     assert record["skipped_features"] == ["window_attention", "expected_attention", "output_norm"]
+
+
+def test_cache_bytes_reports_kv_at_the_keep_ratio_for_both_allocations():
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "bench_cache_bytes.py"), "--base", "tiny-random-llama",
+                             "--scorer", "init:seed", "--contexts", "1024", "--keeps", "0.5"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [row["allocation"] for row in rows] == ["per_head", "joint"]
+    for row in rows:
+        assert abs(row["kv_share"] - 0.5) < 0.01 and row["nbytes_share"] >= row["kv_share"]
