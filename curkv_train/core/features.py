@@ -175,7 +175,16 @@ def product(a: torch.Tensor, b: torch.Tensor, precision: str = "highest") -> tor
     bfloat16 (a CPU's bfloat16 matmul returns bfloat16), then widened. torch.set_float32_matmul_precision("medium")
     rounds only the operands, and only where the hardware has a bfloat16 path; this does it everywhere."""
     if precision == "medium":
-        return (a.bfloat16() @ b.bfloat16()).float()
+        a, b = a.bfloat16(), b.bfloat16()
+    out = _matmul(a, b)
+    return out.float() if precision == "medium" else out
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b``; two 3-D operands (batch, n, k) and (batch, k, m) go straight to ``torch.bmm``: matmul's general
+    path would add batch expands and reshapes around the same product."""
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
+        return torch.bmm(a, b)
     return a @ b
 
 

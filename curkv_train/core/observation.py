@@ -19,6 +19,14 @@ import torch
 from transformers import PreTrainedModel
 
 
+def query_outer_products(queries: torch.Tensor) -> torch.Tensor:
+    """Σ_t q_t q_tᵀ of queries (batch, heads, tokens, head_dim), flattened: (batch, heads, head_dim·head_dim).
+    One ``bmm`` over (batch·heads) matrices: a 4-D ``@`` adds expands and reshapes around the same product."""
+    batch, heads, tokens, head_dim = queries.shape
+    per_head = queries.reshape(batch * heads, tokens, head_dim)
+    return torch.bmm(per_head.transpose(1, 2), per_head).view(batch, heads, head_dim * head_dim)
+
+
 @functools.cache
 def packing(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """How a symmetric (head_dim, head_dim) matrix packs as its upper triangle: the flat square index of
@@ -70,7 +78,7 @@ class QueryStatistics:
         """Add queries (batch, heads, tokens, head_dim)."""
         queries = queries.detach().float()
         triangle, self.square = packing(queries.shape[-1], queries.device)
-        total, outer = queries.sum(dim=2), (queries.transpose(-1, -2) @ queries).flatten(-2)[..., triangle]
+        total, outer = queries.sum(dim=2), query_outer_products(queries)[..., triangle]
         self.total = total if self.total is None else self.total + total
         self.outer = outer if self.outer is None else self.outer + outer
         self.count += queries.shape[2]

@@ -6,6 +6,7 @@ tokens survive, and how they are gathered, is decided here (DESIGN §6).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -91,6 +92,16 @@ def expected_kept(context_length: int, n_sink: int, window: int, keep_ratio: flo
     return context_length - (stop - start) + kept_count(stop - start, keep_ratio)
 
 
+@functools.lru_cache(maxsize=256)
+def protected_positions(tokens: int, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """(tokens − (stop − start),) int64: the positions 0, ..., start − 1 and stop, ..., tokens − 1, which
+    :func:`select_kept` keeps whatever their scores. Made once per (tokens, span, device), outside inference
+    mode so that autograd may save it, and never written: a prefill's layers share one table."""
+    with torch.inference_mode(False):
+        # ranges, not a boolean mask: a mask's selection waits for the device to count it
+        return torch.cat([torch.arange(start, device=device), torch.arange(stop, tokens, device=device)])
+
+
 def select_kept(scores: torch.Tensor, n_sink: int, window: int, keep_ratio: float) -> torch.Tensor:
     """Indices kept per (batch, KV head): sinks + recent window + top-⌈ρ·n⌉ compressible by score.
 
@@ -105,9 +116,7 @@ def select_kept(scores: torch.Tensor, n_sink: int, window: int, keep_ratio: floa
     """
     batch, heads, tokens = scores.shape
     start, stop = compressible_span(tokens, n_sink, window)
-    # slices, not boolean masks: a mask's selection waits for the device to count it
-    positions = torch.arange(tokens, device=scores.device)
-    protected = torch.cat([positions[:start], positions[stop:]]).expand(batch, heads, -1)
+    protected = protected_positions(tokens, start, stop, scores.device).expand(batch, heads, -1)
     chosen = scores[..., start:stop].float().topk(kept_count(stop - start, keep_ratio), dim=-1).indices + start
     return torch.cat([protected, chosen], dim=-1).sort(dim=-1).values
 

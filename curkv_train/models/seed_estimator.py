@@ -83,13 +83,21 @@ def per_batch(weight: torch.Tensor, batch: int) -> torch.Tensor:
     return weight.unsqueeze(1).expand(weight.shape[0], batch, *weight.shape[1:]).reshape(-1, *weight.shape[2:])
 
 
+def per_batch_rows(weight: torch.Tensor, batch: int) -> torch.Tensor:
+    """:func:`per_batch` with a one-row dimension before the last: (L', kv_heads, d) -> (L'·batch·kv_heads, 1, d),
+    the left side of a batched product or the bias of one; a single view for one batch row."""
+    if batch == 1:
+        return weight.reshape(-1, 1, weight.shape[-1])
+    return per_batch(weight, batch).view(-1, 1, weight.shape[-1])
+
+
 def per_head_affine(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Each (layer, KV head)'s own affine map: inputs (L', batch, kv_heads, tokens, d) by weight (L', kv_heads, d, k)
     plus bias (L', kv_heads, k) -> (L', batch, kv_heads, tokens, k). One batched product with the bias added in it."""
     if torch.compiler.is_compiling():  # the compiler fuses a product and a sum it sees apart, not a baddbmm
         return inputs @ weight.unsqueeze(1) + bias[:, None, :, None, :]
     batch = inputs.shape[1]
-    out = torch.baddbmm(per_batch(bias, batch).view(-1, 1, bias.shape[-1]), per_head_batches(inputs),
+    out = torch.baddbmm(per_batch_rows(bias, batch), per_head_batches(inputs),
                         per_batch(weight, batch))
     return out.view(*inputs.shape[:-1], weight.shape[-1])
 
@@ -100,9 +108,10 @@ def per_head_dot(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     One batched product, weight-row × inputsᵀ (a product with a one-column right side is slower)."""
     if torch.compiler.is_compiling():  # as in per_head_affine
         return scale * head_dots(inputs, weight) + bias[:, None, :, None]
-    batch, dim = inputs.shape[1], inputs.shape[-1]
-    rows = per_batch(weight, batch).view(-1, 1, dim)
-    out = torch.baddbmm(per_batch(bias, batch).view(-1, 1, 1), rows, per_head_batches(inputs).transpose(-1, -2),
+    batch = inputs.shape[1]
+    rows = per_batch_rows(weight, batch)
+    biases = bias.reshape(-1, 1, 1) if batch == 1 else per_batch(bias, batch).view(-1, 1, 1)
+    out = torch.baddbmm(biases, rows, per_head_batches(inputs).transpose(-1, -2),
                         alpha=scale)
     return out.view(inputs.shape[:-1])
 
@@ -112,7 +121,7 @@ def add_per_head_dot_(total: torch.Tensor, inputs: torch.Tensor, weight: torch.T
     the product and the sum in one operator. Returns ``total`` (compiled: a new tensor)."""
     if torch.compiler.is_compiling():  # as in per_head_affine
         return total + head_dots(inputs, weight)
-    rows = per_batch(weight, inputs.shape[1]).view(-1, 1, inputs.shape[-1])
+    rows = per_batch_rows(weight, inputs.shape[1])
     total.view(-1, 1, total.shape[-1]).baddbmm_(rows, per_head_batches(inputs).transpose(-1, -2))
     return total
 

@@ -28,6 +28,7 @@ class AppendBuffer:
     def __init__(self, tensor: torch.Tensor, dim: int, headroom: int) -> None:
         self.dim, self.headroom, self.length = dim, headroom, tensor.shape[dim]
         self.data = tensor
+        self._content: torch.Tensor | None = tensor  # the view :attr:`view` gives, made once per append
 
     def _allocate(self, content: torch.Tensor, capacity: int) -> torch.Tensor:
         shape = list(content.shape)
@@ -38,8 +39,11 @@ class AppendBuffer:
 
     @property
     def view(self) -> torch.Tensor:
-        """The content (a view of the first ``length`` tokens)."""
-        return self.data.narrow(self.dim, 0, self.length)
+        """The content (a view of the first ``length`` tokens), made once after each append: each view is an operator,
+        and a layer reads its keys, values and positions many times between appends."""
+        if self._content is None:
+            self._content = self.data.narrow(self.dim, 0, self.length)
+        return self._content
 
     def append(self, new: torch.Tensor, headroom: int | None = None) -> None:
         """Add ``new`` (same shape but along ``dim``) after the content; copies it all only when full, then with
@@ -52,6 +56,7 @@ class AppendBuffer:
             self.data = writable(self.data)
         self.data.narrow(self.dim, self.length, count).copy_(new)
         self.length += count
+        self._content = None
 
     def nbytes(self) -> int:
         """Bytes allocated, headroom included."""
