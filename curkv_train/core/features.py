@@ -264,8 +264,9 @@ def future_moments(statistics: QueryStatistics, rotation: torch.Tensor, kv_heads
     batch, dim = keys.shape[0], keys.shape[3]
     mean, covariance = statistics.moments(linear, quadratic)
     covariance = covariance.view(-1, dim, dim)  # products of 2-D and 3-D views: no broadcasting's reshapes
-    turned = torch.bmm(rotation.expand_as(covariance), covariance).view(-1, dim) @ rotation.T
-    return (mean.view(-1, dim) @ rotation.T).view(batch, kv_heads, -1, dim), turned.view(batch, kv_heads, -1, dim, dim)
+    rotation_t = rotation.T
+    turned = torch.bmm(rotation.expand_as(covariance), covariance).view(-1, dim) @ rotation_t
+    return (mean.view(-1, dim) @ rotation_t).view(batch, kv_heads, -1, dim), turned.view(batch, kv_heads, -1, dim, dim)
 
 
 def expected_logits(linear: torch.Tensor, quadratic: torch.Tensor, keys: torch.Tensor,

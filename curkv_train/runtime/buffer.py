@@ -34,7 +34,8 @@ class AppendBuffer:
         shape = list(content.shape)
         shape[self.dim] = capacity
         data = content.new_empty(shape)
-        data.narrow(self.dim, 0, content.shape[self.dim]).copy_(content)
+        if content.shape[self.dim]:  # a prefill's first append starts from nothing: no copy to launch
+            data.narrow(self.dim, 0, content.shape[self.dim]).copy_(content)
         return data
 
     @property

@@ -75,7 +75,7 @@ class ObservationBuffer:
         # copied by slices, a decode step's query is one operator, not a slot index built on the device
         first = (start + new - kept) % self.window
         head = min(kept, self.window - first)
-        self.ring.narrow(2, first, head).copy_(newest[:, :, :head])
+        self.ring.narrow(2, first, head).copy_(newest if head == kept else newest[:, :, :head])
         if kept > head:
             self.ring.narrow(2, 0, kept - head).copy_(newest[:, :, head:])
         self.seen = start + new
