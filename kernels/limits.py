@@ -3,6 +3,8 @@ dispatcher and the kernels, so neither imports the other."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 MIN_BLOCK = 16  # tl.dot's smallest tile: the kernels' blocks and head dims are powers of two of at least this
@@ -27,3 +29,23 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def check_operands(same_device: dict[str, torch.Tensor], same_dtype: dict[str, torch.Tensor]) -> None:
+    """One-line errors unless every ``same_device`` tensor sits on one device, the ``same_dtype`` tensors share a
+    :data:`SUPPORTED_DTYPES` dtype, and they are CUDA tensors (or CPU ones under ``TRITON_INTERPRET=1``)."""
+    if len({tensor.device for tensor in same_device.values()}) != 1:
+        raise ValueError(f"{_listed(same_device)} must be on the same device")
+    dtypes = [tensor.dtype for tensor in same_dtype.values()]
+    if len(set(dtypes)) != 1:
+        raise ValueError(f"{', '.join(same_dtype)} must share a dtype, got {', '.join(map(str, dtypes))}")
+    if dtypes[0] not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtypes[0]}; expected float16, bfloat16 or float32")
+    first = next(iter(same_device.values()))
+    if not first.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+
+
+def _listed(operands: dict[str, torch.Tensor]) -> str:
+    names = list(operands)
+    return ", ".join(names[:-1]) + " and " + names[-1]

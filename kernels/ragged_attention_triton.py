@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from curkv_train.kernels.factored_attention_triton import merge_partials
-from curkv_train.kernels.limits import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
+from curkv_train.kernels.limits import MIN_BLOCK, check_head_dim, check_operands
 from curkv_train.kernels.reference import check_ragged_bounds, check_ragged_shapes
 from curkv_train.kernels.scored_attention_triton import _dot, _finite_or_zero, _interpreting
 
@@ -133,14 +133,8 @@ def _validate(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offsets
     if values.shape[-1] != q.shape[-1]:
         raise ValueError(f"the kernel needs values' head_dim equal to the keys' ({q.shape[-1]}), "
                          f"got {values.shape[-1]}")
-    if len({q.device, keys.device, values.device, offsets.device, lengths.device}) != 1:
-        raise ValueError("q, keys, values, offsets and lengths must be on the same device")
-    if q.dtype != keys.dtype or q.dtype != values.dtype:
-        raise ValueError(f"q, keys, values must share a dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
-    if not q.is_cuda and not _interpreting():
-        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    floats = {"q": q, "keys": keys, "values": values}
+    check_operands({**floats, "offsets": offsets, "lengths": lengths}, floats)
     if check_bounds:
         check_ragged_bounds(keys, offsets, lengths)
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from curkv_train.kernels.limits import MIN_BLOCK, SUPPORTED_DTYPES, check_head_dim
+from curkv_train.kernels.limits import MIN_BLOCK, check_head_dim, check_operands
 
 # Block sizes under the interpreter (CPU), capped by the problem size; on CUDA the
 # kernels are autotuned over the configs below unless the caller fixes the blocks.
@@ -363,16 +363,8 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch
             f"got {tuple(key_bias.shape)}"
         )
     check_head_dim(head_dim)
-    if len({q.device, k.device, v.device, key_bias.device}) != 1:
-        raise ValueError("q, k, v and key_bias must be on the same device")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
-    if not q.is_cuda and not _interpreting():
-        raise RuntimeError(
-            "the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors"
-        )
+    floats = {"q": q, "k": k, "v": v}
+    check_operands({**floats, "key_bias": key_bias}, floats)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
