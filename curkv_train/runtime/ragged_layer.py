@@ -225,6 +225,11 @@ class RaggedCurKVLayer(CurKVLayer):
         """Repack the store with only the ``kept`` (batch, kv_heads, width) local places, no spare rows."""
         rows = segment_rows(self.store.offsets, kept.shape[-1])[kept.to(self.device)]
         self.lengths = kept.sum(dim=-1)
+        self._repack(rows)
+
+    def _repack(self, rows: torch.Tensor) -> None:
+        """Rebuild the store from its ``rows`` (the held tokens, segment by segment, already counted in
+        ``self.lengths``), with no spare rows; positions and stored scores follow."""
         offsets, self.capacities = packed_layout(self.lengths, 0)
         device_lengths = self.lengths.to(self.device)
         self.store = RaggedKV(self.store.keys[rows], self.store.values[rows], offsets.to(self.device),
@@ -263,14 +268,7 @@ class RaggedCurKVLayer(CurKVLayer):
         offsets = self.store.offsets[order.to(self.device)]
         width = int(self.lengths.max())
         held = torch.arange(width)[None, None] < self.lengths[..., None]
-        rows = segment_rows(offsets, width)[held.to(self.device)]
-        new_offsets, self.capacities = packed_layout(self.lengths, 0)
-        device_lengths = self.lengths.to(self.device)
-        self.store = RaggedKV(self.store.keys[rows], self.store.values[rows], new_offsets.to(self.device),
-                              device_lengths, device_lengths.clone())
-        self.row_positions = self.row_positions[rows]
-        if self.row_scores is not None:
-            self.row_scores = self.row_scores[rows]
+        self._repack(segment_rows(offsets, width)[held.to(self.device)])
         self.observer.map_batch(fn)
 
     def crop(self, max_length: int) -> None:
