@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -167,9 +168,50 @@ def streaming_ends(context_length: int, rounds: int, stride: int) -> list[int]:
     return [context_length - (rounds - 1 - index) * stride for index in range(rounds)]
 
 
+def joint_round_kept(z: torch.Tensor, competing: torch.Tensor, newest: torch.Tensor, count: int, head_floor: float,
+                     *, across_layers: bool) -> torch.Tensor:
+    """One streaming round's kept places under the joint allocation, as CurKVCache chooses them.
+
+    Each (layer, KV head) would keep ``count`` under ``per_head``; here a group shares the places its heads would
+    fill by score together (at most what they hold), each head first keeping its own top ⌈floor·(count − recent)⌉:
+    the group is every layer and KV head of an example (``across_layers``: a prefill's first compression) or each
+    layer's KV heads (a later one).
+
+    Args:
+        z: (layers, batch, kv_heads, m) scores of the round's span.
+        competing: (layers, batch, kv_heads, m) bool, tokens still held (earlier rounds evicted the rest).
+        newest: (layers, batch, kv_heads, m) bool, the newest places kept whatever their score.
+        count: tokens one head keeps from the span, ``newest`` included.
+
+    Returns:
+        (layers, batch, kv_heads, m) 0/1 float, the kept places (``newest`` included).
+    """
+    layers, batch, heads, width = z.shape
+    group_heads = layers * heads if across_layers else heads
+
+    def grouped(tensor: torch.Tensor) -> torch.Tensor:  # (batch, groups, group_heads, width)
+        return tensor.transpose(0, 1).reshape(batch, -1, group_heads, width)
+
+    held, fixed = grouped(competing), grouped(newest)
+    places = torch.clamp(held.sum((-2, -1)), max=group_heads * count) - fixed.sum((-2, -1))
+    floor = math.ceil(head_floor * max(0, count - int(newest.sum(-1).max())) - 1e-9)
+    floor = min(floor, int(places.min()) // group_heads)
+    open_places = held & ~fixed
+    ranked = grouped(z).float().masked_fill(~open_places, float("-inf"))
+    if floor > 0:  # each head's own top ``floor`` outrank every other token of the group
+        top = ranked.topk(min(floor, width), dim=-1).indices
+        ranked = ranked.scatter(-1, top, float("inf")).masked_fill(~open_places, float("-inf"))
+    flat = ranked.flatten(-2)
+    take = (torch.arange(flat.shape[-1], device=z.device) < places[..., None]).float()
+    kept = torch.zeros_like(flat).scatter_(-1, flat.argsort(dim=-1, descending=True), take)
+    kept = kept.view_as(ranked) + fixed.float()
+    return kept.reshape(batch, layers, heads, width).transpose(0, 1).contiguous()
+
+
 def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_sink: int, hot: int,
                         temperature: float, keep_ratio: KeepRatio, hard: bool,
-                        recent_share: float = 0.0, count_protected: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        recent_share: float = 0.0, count_protected: bool = True, allocation: str = "per_head",
+                        head_floor: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention biases of a context compressed in rounds, as CurKVCache compresses it while it grows.
 
     At round r (sequence end e_r) the tokens in [n_sink, e_r − hot) that survived the earlier
@@ -185,13 +227,20 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
         round_logits: per round, (layers, batch, kv_heads, e_r) logits scored at end e_r.
         ends: the rounds' ends, increasing; the last is the context length.
         hot: tokens before each end that are protected (the cache's hot tier).
-        keep_ratio: ρ for every layer, or one ρ_l per layer (a layer budget's split).
+        keep_ratio: ρ for every layer, or one ρ_l per layer (a layer budget's split; ``per_head`` only).
+        allocation: ``per_head``: every (layer, KV head) keeps the same count each round; ``joint``: the first
+            round's places are shared by every layer and KV head, a later round's by each layer's KV heads
+            (:func:`joint_round_kept`, as CurKVCache under ``TierConfig(allocation="joint")``).
+        head_floor: the joint allocation's per-head floor.
 
     Returns:
         (bias (layers, batch, kv_heads, context), scores (layers, batch, kv_heads, n) = σ(z/T) of
         the last round on its n competing positions, for the budget term).
     """
     if isinstance(keep_ratio, Sequence):
+        if allocation == "joint":
+            raise CurKVError("allocation joint chooses each layer's share itself; drop model.layer_budget "
+                             "or train with allocation per_head")
         return _layer_by_layer(keep_ratio, lambda layers, ratio: streaming_keep_bias(
             [logits[layers] for logits in round_logits], ends, n_sink=n_sink, hot=hot, temperature=temperature,
             keep_ratio=ratio, hard=hard, recent_share=recent_share, count_protected=count_protected))
@@ -199,6 +248,7 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
     bias = torch.zeros(*round_logits[-1].shape[:-1], context, device=round_logits[-1].device)
     alive = torch.ones_like(bias, dtype=torch.bool)
     scores = bias[..., :0]
+    first = True
     for logits, end in zip(round_logits, ends):
         stop = end - hot
         if stop <= n_sink:
@@ -212,9 +262,13 @@ def streaming_keep_bias(round_logits: list[torch.Tensor], ends: list[int], *, n_
         count = kept_count(stop - n_sink, share_of_compressible(stop - n_sink, protected, keep_ratio))
         newest = newest_places(competing, count, recent_share)
         weight = scores
-        if hard:
+        if hard and allocation == "joint":
+            kept = joint_round_kept(z, competing, newest, count, head_floor, across_layers=first)
+        elif hard:
             ranked = z.masked_fill(~competing, float("-inf")).masked_fill(newest, float("inf"))
             kept = torch.zeros_like(z).scatter_(-1, ranked.topk(count).indices, 1.0)
+        first = False
+        if hard:
             weight = kept * (1 - EVICTED_WEIGHT) + EVICTED_WEIGHT + scores - scores.detach()
             alive[..., n_sink:stop] = competing & kept.bool()
         weight = weight.masked_fill(newest, 1.0)

@@ -59,7 +59,7 @@ class CurKVModule(L.LightningModule):
         hard_topk: train on the exact top-⌈ρ·n⌉ mask (straight-through gradients).
         allocation: per_head (the hard mask keeps ⌈ρ·n⌉ in every layer and KV head) or joint (⌈ρ·N⌉ over all
             layers and KV heads of an example, by score, each head keeping at least its floor; the budget term
-            then holds the mean keep over everything at ρ). Not with streaming rounds or a layer budget.
+            then holds the mean keep over everything at ρ). Not with a layer budget.
         head_floor: with joint, the share of its ⌈ρ·n⌉ every head keeps whatever the others score, in [0, 1].
         budget_mode: two_sided, hinge or lagrange (see BudgetController).
         budget_weight: λ of the budget penalty.
@@ -117,15 +117,12 @@ class CurKVModule(L.LightningModule):
 
     def check_settings(self, settings: TrainingSettings) -> None:
         """A CurKVError for settings no context length can train: a ratio outside (0, 1], an unknown allocation,
-        a head floor outside [0, 1], or the joint allocation with streaming rounds or a layer budget."""
+        a head floor outside [0, 1], or the joint allocation with a layer budget."""
         check_keep_ratio(settings.keep_ratio)
         check_allocation(settings.allocation)
         check_head_floor(settings.head_floor)
         if settings.allocation != "joint":
             return
-        if settings.streaming_rounds:
-            raise CurKVError("allocation joint does not run with streaming rounds (their rounds select per head, as "
-                             "CurKVCache does); set streaming_rounds: 0 or allocation: per_head")
         if self.hparams.layer_budget:
             raise CurKVError("allocation joint chooses each layer's share itself; drop model.layer_budget "
                              "or train with allocation per_head")
@@ -309,7 +306,8 @@ class CurKVModule(L.LightningModule):
                         for end in ends[:-1]] + [logits]
         return streaming_keep_bias(round_logits, ends, n_sink=hp.n_sink, hot=settings.hot_windows * hp.window,
                                    temperature=settings.temperature, keep_ratio=ratios, hard=settings.hard_topk,
-                                   recent_share=settings.recent_share, count_protected=settings.count_protected)
+                                   recent_share=settings.recent_share, count_protected=settings.count_protected,
+                                   allocation=settings.allocation, head_floor=settings.head_floor)
 
     def warm_start_loss(self, capture: ContextCapture, target: torch.Tensor) -> torch.Tensor:
         """The dense ranking term alone (warm start: no continuation, no backward through the LLM)."""

@@ -7,13 +7,14 @@ import torch
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.core.selection import (check_head_floor, compressible_mask, joint_floor_count, joint_keep_mask,
-                                        kept_count)
+                                        kept_count, newest_places)
 from curkv_train.models.base import TINY_RANDOM
 from curkv_train.runtime import load_scorer
+from curkv_train.runtime.joint import Competition, joint_choice
 from curkv_train.training.callbacks.curriculum import Curriculum, Stage
 from curkv_train.training.export import export
 from curkv_train.training.objective import (EVICTED_WEIGHT, BudgetController, TrainingSettings, budget_keep,
-                                            keep_bias)
+                                            joint_round_kept, keep_bias, streaming_keep_bias)
 from curkv_train.training.system import CurKVModule
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -113,12 +114,59 @@ def module():
     return system
 
 
-def test_the_model_refuses_a_bad_floor_and_joint_with_streaming_rounds(module):
+def test_the_model_refuses_a_bad_floor_and_takes_joint_with_streaming_rounds(module):
     with pytest.raises(CurKVError, match="head_floor must be in"):
         CurKVModule(base_model=TINY_RANDOM, allocation="joint", head_floor=2.0)
-    with pytest.raises(CurKVError, match="allocation joint does not run with streaming rounds"):
-        module.apply_stage(TrainingSettings(allocation="joint", streaming_rounds=2))
-    module.apply_stage(TrainingSettings(allocation="per_head", streaming_rounds=2))  # negative control
+    module.apply_stage(TrainingSettings(allocation="joint", streaming_rounds=2))
+    assert module.settings.allocation == "joint" and module.settings.streaming_rounds == 2
+
+
+def ragged_round(seed: int, count: int = 9, width: int = 20):
+    """Scores, held tokens (each head already ragged) and the newest places of one later streaming round."""
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(LAYERS, BATCH, HEADS, width, generator=generator)
+    held = torch.rand(LAYERS, BATCH, HEADS, width, generator=generator) < 0.8
+    return z, held, newest_places(held, count, 0.25)
+
+
+@pytest.mark.parametrize("head_floor", [0.0, 0.3, 1.0])
+def test_a_later_streaming_round_chooses_what_the_runtime_cache_chooses(head_floor):
+    count = 9
+    z, held, newest = ragged_round(4, count)
+    kept_places = joint_round_kept(z, held, newest, count, head_floor, across_layers=False).bool()
+    for layer in range(LAYERS):
+        competition = Competition(candidates=held[layer].sum(-1), recent=newest[layer].sum(-1), target=count, n_sink=0)
+        chosen = joint_choice(z[layer], held[layer] & ~newest[layer], competition.places(),
+                              competition.floor(head_floor))
+        assert torch.equal(kept_places[layer], chosen | newest[layer])
+    assert not (kept_places & ~held).any()
+
+
+def test_a_first_streaming_round_shares_its_places_over_every_layer_and_head():
+    z = random_logits(5, tokens=20)
+    z[0, :, 1] += 5.0  # one head of one layer outranks the rest
+    everyone = torch.ones_like(z, dtype=torch.bool)
+    newest = newest_places(everyone, 8, 0.25)
+    kept_places = joint_round_kept(z, everyone, newest, 8, 0.1, across_layers=True)
+    per_head = kept_places.sum(-1)
+    assert per_head.sum(dim=(0, 2)).tolist() == [LAYERS * HEADS * 8] * BATCH
+    assert (per_head[0, :, 1] > 8).all() and (per_head >= 2 + math.ceil(0.1 * 6)).all()
+    assert (kept_places.bool() | ~newest).all()  # the newest places always stay
+
+
+def test_joint_streaming_rounds_keep_the_per_head_total_and_never_revive_a_token():
+    generator = torch.Generator().manual_seed(6)
+    ends = [24, 32, 40]
+    logits = [torch.randn(LAYERS, BATCH, HEADS, end, generator=generator) * torch.tensor([1.0, 4.0]).view(1, 1, 2, 1)
+              for end in ends]
+    options = dict(n_sink=2, hot=4, temperature=1.0, keep_ratio=0.4, hard=True, recent_share=0.25)
+    joint, _ = streaming_keep_bias(logits, ends, allocation="joint", head_floor=0.1, **options)
+    per_head, _ = streaming_keep_bias(logits, ends, **options)
+    threshold = math.log(EVICTED_WEIGHT) / 2
+    span = slice(2, 36)
+    joint_kept, head_kept = (joint[..., span] > threshold).sum(-1), (per_head[..., span] > threshold).sum(-1)
+    assert torch.equal(joint_kept.sum(-1), head_kept.sum(-1))  # each layer holds what one count per head holds
+    assert (joint_kept != head_kept).any()  # and the heads hold different counts
 
 
 def test_joint_with_a_layer_budget_is_refused():

@@ -18,20 +18,31 @@ N_SINK, WINDOW, HOT_WINDOWS, ROUNDS, CONTEXT = 4, 16, 2, 4, 192
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+def held_positions(layer, head: int) -> set[int]:
+    """Positions a cache layer holds in batch row 0, KV head ``head`` (dense or ragged storage)."""
+    if getattr(layer, "store", None) is None:
+        return set(layer.positions[0, head].tolist())
+    start, length = int(layer.store.offsets[0, head]), int(layer.lengths[0, head])
+    return set(layer.row_positions[start:start + length].tolist())
+
+
 @pytest.mark.parametrize("family", ["seed", "query_aware"])
-@pytest.mark.parametrize("keep_ratio, recent_share, compress_every", [(0.3, 0.0, 2), (0.6, 0.0, 2), (0.3, 0.5, 2),
-                                                                      (0.3, 0.5, 1)])
-def test_rounds_keep_what_the_cache_keeps(family, keep_ratio, recent_share, compress_every):
+@pytest.mark.parametrize("keep_ratio, recent_share, compress_every, allocation", [
+    (0.3, 0.0, 2, "per_head"), (0.6, 0.0, 2, "per_head"), (0.3, 0.5, 2, "per_head"), (0.3, 0.5, 1, "per_head"),
+    (0.3, 0.5, 2, "joint"), (0.6, 0.0, 1, "joint")])
+def test_rounds_keep_what_the_cache_keeps(family, keep_ratio, recent_share, compress_every, allocation):
     """Layer 0 keeps the same tokens per head. (Deeper layers' K/V of tokens that arrived after a
     compression were computed over a compressed past in the cache, over the full one in training: the
-    rounds reproduce the cache's selection rule, not that drift.)"""
+    rounds reproduce the cache's selection rule, not that drift. Under ``joint`` the first round ranks every
+    layer, which then still agree, and later rounds rank each layer's heads.)"""
     scorer = family_scorer(family, n_sink=N_SINK, window=WINDOW)
     ids = torch.randint(0, 259, (1, CONTEXT), generator=torch.Generator().manual_seed(2))
     stride = compress_every * WINDOW
     ends = streaming_ends(CONTEXT, ROUNDS, stride)  # the first end holds an interval past the hot tier
 
     model = load_base_model(TINY_RANDOM, attn_implementation="sdpa")
-    tiers = TierConfig(hot_windows=HOT_WINDOWS, recent_share=recent_share, compress_every=compress_every)
+    tiers = TierConfig(hot_windows=HOT_WINDOWS, recent_share=recent_share, compress_every=compress_every,
+                       allocation=allocation)
     cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, tiers=tiers, compute=ComputeConfig(backend="torch"))
     with torch.no_grad():
         model(ids[:, : ends[0]], past_key_values=cache)
@@ -45,9 +56,9 @@ def test_rounds_keep_what_the_cache_keeps(family, keep_ratio, recent_share, comp
     with torch.no_grad():
         logits = [estimator(estimator_inputs(base, estimator, capture, scorer.key_view, end=end)) for end in ends]
     bias, _ = streaming_keep_bias(logits, ends, n_sink=N_SINK, hot=HOT_WINDOWS * WINDOW, temperature=1.0,
-                                  keep_ratio=keep_ratio, hard=True, recent_share=recent_share)
+                                  keep_ratio=keep_ratio, hard=True, recent_share=recent_share, allocation=allocation)
     kept = [set(torch.nonzero(bias[0, 0, head] > -1).flatten().tolist()) for head in range(2)]
-    held = [set(cache.layers[0].positions[0, head].tolist()) for head in range(2)]
+    held = [held_positions(cache.layers[0], head) for head in range(2)]
     assert kept == held and len(held[0]) < CONTEXT
 
 

@@ -45,8 +45,9 @@ class Stage:
             cache's ``recent_share``).
         count_protected: whether sinks and hot tier count inside ρ in streaming rounds (unset: the
             model's setting, True by default, as CurKVCache counts them; False: ρ of the competing span only).
-        allocation: per_head or joint: where the hard stage's kept places go (unset: the model's ``allocation``;
-            joint not with streaming rounds).
+        allocation: per_head or joint: where the hard stage's kept places go (unset: the model's ``allocation``);
+            with streaming rounds, joint shares the first round's places over every layer and head and a later
+            round's over each layer's heads, as CurKVCache does.
         head_floor: with joint, the share of its ⌈ρ·n⌉ every head keeps, in [0, 1] (unset: the model's).
     """
 
