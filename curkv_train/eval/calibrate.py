@@ -28,6 +28,7 @@ from curkv_train.eval.tasks import DataRecipe
 from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.allocation import LayerBudget
 from curkv_train.runtime.cache import CurKVCache
+from curkv_train.runtime.cache_config import TierConfig
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import CONFIG_FILE, load_base_for, load_scorer, resolve_scorer_dir
 
@@ -79,8 +80,10 @@ class Calibration:
         return float(np.concatenate([trace.nll for trace in traces]).mean())
 
     def increase(self, keep_ratio: float, budget: LayerBudget | str) -> float:
-        """Perplexity increase (%) of the runtime cache at ``keep_ratio`` with ``budget`` over the full cache."""
-        nll = self._nll(lambda: CurKVCache(self.scorer, model=self.model, keep_ratio=keep_ratio, layer_budget=budget))
+        """Perplexity increase (%) of the runtime cache at ``keep_ratio`` with ``budget`` over the full cache (a layer
+        budget splits per head, whatever allocation the scorer was trained under)."""
+        nll = self._nll(lambda: CurKVCache(self.scorer, model=self.model, keep_ratio=keep_ratio, layer_budget=budget,
+                                           tiers=TierConfig(allocation="per_head")))
         return 100.0 * (math.exp(nll - self.full_nll) - 1.0)
 
 

@@ -109,6 +109,12 @@ def checked_config(name: str, config: Config | None, kind: type[Config]) -> Conf
     return config
 
 
+
+def resolved_tiers(tiers: TierConfig, scorer: Scorer) -> TierConfig:
+    """``tiers`` with the allocation and head floor it leaves None taken from ``scorer`` (how it was trained)."""
+    return dataclasses.replace(tiers, allocation=tiers.allocation or scorer.allocation,
+                               head_floor=scorer.head_floor if tiers.head_floor is None else tiers.head_floor)
+
 class CurKVCache(Cache):
     """A transformers Cache compressed by a trained value estimator, with hot / warm / cold tiers.
 
@@ -135,8 +141,9 @@ class CurKVCache(Cache):
             sequences holds up to B times it: the budget is per sequence.
         layer_budget: how ρ is split across layers: ``"scorer"`` (default) the scorer's calibrated
             :class:`~curkv_train.runtime.allocation.LayerBudget` when it has one (``curkv-train
-            calibrate``), else one ratio for every layer; ``"uniform"`` one ratio for every layer; or
-            a LayerBudget. The mean of the layers' ratios is ρ, so the bytes held are the same.
+            calibrate``), else one ratio for every layer, and under the joint allocation none (the scores
+            decide each layer's share); ``"uniform"`` one ratio for every layer; or a LayerBudget (not under
+            joint). The mean of the layers' ratios is ρ, so the bytes held are the same.
         tiers: the tiers' sizes and schedule (:class:`~curkv_train.runtime.cache_config.TierConfig`); default
             ``TierConfig()``.
         compute: kernels, factored attention, compilation and precision of the scoring
@@ -157,17 +164,19 @@ class CurKVCache(Cache):
         if self.compute.scorer_precision is not None:
             scorer = dataclasses.replace(scorer, matmul_precision=self.compute.scorer_precision)
         self.scorer, self.model = scorer.compiled() if self.compute.compile_scorer else scorer, model
+        self.tiers = resolved_tiers(self.tiers, scorer)
         self.scoring_batch_tokens = self.tiers.scoring_batch_tokens
         self.awaiting: list[CurKVLayer] = []  # layers whose first compression waits for its group's scores
         self.joint_chunk = 1  # under joint allocation: layers scored together while the first compression waits
         self.settings = TierSettings.resolve(
             self.tiers, self.compute, keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True),
             max_tokens=max_tokens, n_sink=scorer.n_sink, window=scorer.window, head_dim=scorer.estimator.head_dim,
-            layer_budget=resolve_layer_budget(layer_budget, scorer))
+            layer_budget=None if self.tiers.allocation == "joint" and layer_budget == "scorer"
+            else resolve_layer_budget(layer_budget, scorer))
         self.joint = self.settings.allocation == "joint"
         if self.joint and self.settings.layer_budget is not None:
             raise CurKVError("allocation='joint' decides each layer's share from the scores and takes no layer budget; "
-                             "pass layer_budget='uniform' (a calibrated scorer's budget is the default)")
+                             "pass layer_budget='scorer' or 'uniform', or TierConfig(allocation='per_head')")
         self.sliding = frozenset(sliding_layers(model))
         if self.sliding and self.settings.layer_budget is not None:
             raise CurKVError("a layer budget on a hybrid model (sliding-window layers) is not supported yet; "

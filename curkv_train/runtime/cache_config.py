@@ -63,12 +63,13 @@ class TierConfig:
             hold this many of its tokens (:meth:`~curkv_train.runtime.Scorer.score_layers`): the same scores,
             from fewer, larger operators. Until its group is scored a layer holds the whole prompt; 0 or 1
             scores each layer as it runs.
-        allocation: ``per_head``: every (layer, KV head) keeps the same count; ``joint``: a prefill's first
+        allocation: None: the scorer's (``per_head`` unless it was trained under ``joint``); ``per_head``: every
+            (layer, KV head) keeps the same count; ``joint``: a prefill's first
             compression keeps the top ⌈ρ·N⌉ compressible tokens jointly over every layer and KV head, later ones
             jointly over each layer's KV heads, and heads hold different counts in ragged storage (the same total;
             docs/runtime.md, "Joint allocation and ragged storage"). Not with ``cold``.
         head_floor: under ``joint``, the share of a head's equal share of the places filled by score that it keeps
-            whatever the other heads score, in [0, 1] (training's ``head_floor``).
+            whatever the other heads score, in [0, 1]; None: the scorer's (its training's ``head_floor``).
     """
 
     recent_share: float = 0.5
@@ -87,13 +88,15 @@ class TierConfig:
     compensation: bool = True
     compensation_ratio: float = 0.05
     scoring_batch_tokens: int = SCORING_BATCH_TOKENS
-    allocation: str = "per_head"
-    head_floor: float = 0.1
+    allocation: str | None = None
+    head_floor: float | None = None
 
     def __post_init__(self) -> None:
         check_recent_share(self.recent_share)
-        check_allocation(self.allocation)
-        check_head_floor(self.head_floor)
+        if self.allocation is not None:
+            check_allocation(self.allocation)
+        if self.head_floor is not None:
+            check_head_floor(self.head_floor)
         if self.allocation == "joint" and self.cold:
             raise CurKVError("allocation='joint' does not support the cold tier yet; pass cold=False or "
                              "allocation='per_head'")

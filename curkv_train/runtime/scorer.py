@@ -12,6 +12,7 @@ from curkv_train.core.features import check_matmul_precision, feature_backend, f
 from curkv_train.core.observation import (Observation, QueryStatistics, attention_module, observe_queries,
                                           pre_rope_queries)
 from curkv_train.core.rope import key_view
+from curkv_train.core.selection import check_allocation, check_head_floor
 from curkv_train.core.errors import CurKVError
 from curkv_train.models.seed_estimator import EstimatorInputs
 from curkv_train.runtime.allocation import LayerBudget
@@ -32,6 +33,8 @@ class Scorer:
         temperature: the score temperature T of its last training stage (s = σ(z / T)).
         layer_budget: how CurKVCache splits a keep ratio across layers (``curkv-train calibrate``),
             or None for one ratio everywhere.
+        allocation: ``per_head`` or ``joint``, where its training's hard steps put the kept places (the
+            runtime cache's default, ``TierConfig.allocation``); ``head_floor``: the joint allocation's per-head floor.
         matmul_precision: ``highest`` (as trained) or ``medium``: the query features' attention-sized
             products from bfloat16 operands (:func:`~curkv_train.core.features.product`), faster on a CPU
             with bf16 instructions at a small cost in agreement (docs/runtime.md). Other families ignore it.
@@ -45,10 +48,14 @@ class Scorer:
     keep_ratio: float = 0.5
     temperature: float = 1.0
     layer_budget: LayerBudget | None = None
+    allocation: str = "per_head"
+    head_floor: float = 0.1
     matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
         check_matmul_precision(self.matmul_precision)
+        check_allocation(self.allocation)
+        check_head_floor(self.head_floor)
 
     @property
     def family(self) -> str:

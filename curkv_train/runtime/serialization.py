@@ -2,7 +2,7 @@
 
 ``scorer.json`` records the format version, the base model and a fingerprint of its
 architecture, the estimator's constructor arguments, the settings it was trained
-under (key view, sinks, window, temperature, keep ratio), the training recipe and
+under (key view, sinks, window, temperature, keep ratio, allocation), the training recipe and
 metrics, and the sha256 of the weights file. :func:`load_scorer` checks all of it.
 """
 
@@ -34,7 +34,7 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "scorer.safetensors"
 CONFIG_FILE = "scorer.json"
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
-SCORER_SETTINGS = ("key_view", "n_sink", "window", "temperature", "keep_ratio")
+SCORER_SETTINGS = ("key_view", "n_sink", "window", "temperature", "keep_ratio", "allocation", "head_floor")
 
 
 def _jsonable(value: Any) -> Any:

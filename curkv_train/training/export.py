@@ -198,6 +198,8 @@ def export(ckpt: Path, out: Path, base_model: str | None = None, overwrite: bool
     scorer = Scorer(restore_estimator(checkpoint, config), key_view=hp.get("key_view", "pre_rope"),
                     n_sink=hp.get("n_sink", 4), window=hp.get("window", 64),
                     keep_ratio=last_step["keep_ratio"], temperature=last_step["temperature"],
+                    allocation=stage.get("allocation", hp.get("allocation", "per_head")),
+                    head_floor=stage.get("head_floor", hp.get("head_floor", 0.1)),
                     layer_budget=None if budget is None else LayerBudget.from_record(budget))
     extra = {"name": out.name, "training": training_record(ckpt, checkpoint), "metrics": run_metrics(ckpt, checkpoint)}
     if budget is not None:

@@ -222,5 +222,7 @@ def test_export_records_the_allocation(tmp_path):
     path = tmp_path / "run" / "checkpoints" / "last.ckpt"
     path.parent.mkdir(parents=True)
     torch.save(checkpoint, path)
-    settings = load_scorer(export(path, tmp_path / "exported")).metadata["training"]["last_step_settings"]
+    scorer = load_scorer(export(path, tmp_path / "exported"))
+    settings = scorer.metadata["training"]["last_step_settings"]
     assert (settings["allocation"], settings["head_floor"]) == ("joint", 0.2)
+    assert (scorer.allocation, scorer.head_floor) == ("joint", 0.2)  # what the runtime cache defaults to

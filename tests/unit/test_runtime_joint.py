@@ -1,5 +1,7 @@
 """CurKVCache with TierConfig(allocation="joint"): ragged storage, its bytes, its attention, its refusals."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -183,8 +185,21 @@ def test_an_unknown_allocation_is_refused():
 
 
 def test_joint_with_a_layer_budget_is_refused(model, scorer):
-    with pytest.raises(CurKVError, match="layer_budget='uniform'"):
+    with pytest.raises(CurKVError, match="layer_budget='scorer' or 'uniform'"):
         CurKVCache(scorer, model, keep_ratio=0.5, tiers=JOINT, layer_budget=LayerBudget((1.0, 2.0)))
+
+
+def test_the_allocation_a_scorer_was_trained_under_is_the_caches_default(model, scorer):
+    """A joint-trained scorer's cache is joint (its calibrated budget set aside), unless the tiers say otherwise."""
+    budgeted = dataclasses.replace(scorer, layer_budget=LayerBudget((1.0, 2.0)))
+    joint = dataclasses.replace(budgeted, allocation="joint", head_floor=0.3)
+    cache = CurKVCache(joint, model, keep_ratio=0.5)
+    assert cache.joint and cache.settings.head_floor == 0.3 and cache.settings.layer_budget is None
+    per_head = CurKVCache(joint, model, keep_ratio=0.5, tiers=TierConfig(allocation="per_head", head_floor=0.2))
+    assert not per_head.joint and per_head.settings.layer_budget is not None and per_head.settings.head_floor == 0.2
+    assert not CurKVCache(budgeted, model, keep_ratio=0.5).joint  # negative control: a per-head scorer
+    with pytest.raises(CurKVError, match="unknown allocation 'global'"):
+        dataclasses.replace(scorer, allocation="global")
 
 
 def test_joint_on_a_flex_attention_model_is_refused(scorer):
