@@ -17,6 +17,7 @@ import torch
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.core.shapes import text_config
+from curkv_train.eval.allocated import ALLOCATED_RULES, RAGGED, SAME, AllocatedRows, one_prefill
 from curkv_train.eval.harness import EvalSettings, evaluate
 from curkv_train.eval.heldout import STREAM_TASKS, load_stream_documents, training_hashes
 from curkv_train.eval.lists import FloatList, IntList, NameList
@@ -90,6 +91,12 @@ class EvalConfig:
         budget_bytes: streaming task: budgets in bytes for the whole cache (max_bytes).
         budget_baselines: prefill tasks: the baselines' presses follow the main scorer's calibrated layer budget
             too (the allocation without the learned scores; ``kvpress:<name>`` rows keep one ratio).
+        same_allocation: prefill tasks: the rules (kvpress's snapkv, expected_attention, tova, knorm, cur, compactor,
+            keydiff, lagkv, and h2o) run at the main scorer's own allocation, rows ``same:<rule>``: every (layer, KV
+            head) holds what it holds in the ``curkv_ragged`` row, the scorer through the runtime cache compressing
+            the prefill once under its joint allocation (ragged heads); the summary then is about ``curkv_ragged``,
+            and a second one sets it against these rows alone. Default: all of them for a scorer trained under the
+            joint allocation, none for another; ``none``: none.
         scorer_precision: every scorer's query-feature products: ``highest`` (float32, as trained) or ``medium``
             (bfloat16 operands, faster on CPUs with bf16 instructions; docs/runtime.md).
     """
@@ -123,6 +130,7 @@ class EvalConfig:
     budget_tokens: IntList | None = None
     budget_bytes: IntList | None = None
     budget_baselines: bool = False
+    same_allocation: NameList | None = None
     scorer_precision: Literal["highest", "medium"] = "highest"
 
 
@@ -165,8 +173,11 @@ def run_eval(config: EvalConfig) -> Path:
                                           passkey_lengths=lengths)
                      for task in prefill_tasks}
     presses, cache_methods, ours, not_baselines = _prefill_methods(names, entries, scorers, main, spans, budget)
+    allocated = _allocated_rows(config, scorers[main.method] if main else None, spans)
+    if allocated is not None:
+        ours, not_baselines = RAGGED, (*not_baselines, main.method)
     results = evaluate(model, task_examples, presses, settings, progress=progress, cache_methods=cache_methods,
-                       ours=ours, not_baselines=not_baselines)
+                       ours=ours, not_baselines=not_baselines, allocated=allocated)
     if stream is not None:
         sources = {task: recipe.source(STREAM_TASKS[task])[0] for task in streaming_tasks}
         documents = load_stream_documents(tokenizer, streaming_tasks, sources, training[0],
@@ -177,7 +188,9 @@ def run_eval(config: EvalConfig) -> Path:
     resolved = {"scorers": {entry.method: {"source": entry.source, "family": scorers[entry.method].family,
                                            "n_sink": settings.n_sink, "window": settings.window,
                                            "trained": entry.family is None} for entry in entries},
-                "base": base, "tasks": tasks, "methods": [*presses, *cache_methods], "n_sink": settings.n_sink,
+                "base": base, "tasks": tasks, "methods": [*presses, *cache_methods, *(
+                    [RAGGED, *(SAME + rule for rule in allocated.rules)] if allocated else [])],
+                "n_sink": settings.n_sink,
                 "window": settings.window, "passkey_lengths": lengths, "kvpress_presses": settings.kvpress_presses,
                 "data": {"recipe": recipe.origin, "sources": recipe.record(),
                          "streams": {name: held.record() for name, held in streams.items()}}}
@@ -192,6 +205,22 @@ def _settings(config: EvalConfig, main: Scorer | None) -> EvalSettings:
                         kvpress=config.kvpress, kvpress_budget=config.kvpress_budget,
                         kvpress_presses=list(config.kvpress_presses) if config.kvpress_presses else None,
                         max_batch=config.batch)
+
+
+def _allocated_rows(config: EvalConfig, main: Scorer | None, spans: tuple[int, int]) -> AllocatedRows | None:
+    """The ``curkv_ragged`` and ``same:<rule>`` rows ``--same_allocation`` asks for (by default: every rule, for a
+    main scorer trained under the joint allocation), or None."""
+    names = list(config.same_allocation) if config.same_allocation is not None else (
+        list(ALLOCATED_RULES) if main is not None and main.allocation == "joint" else [])
+    if names == ["none"] or not names or not any(task in TASKS for task in config.tasks):
+        return None
+    if main is None:
+        raise CurKVError("--same_allocation runs rules at a scorer's allocation: pass --scorer")
+    unknown = [name for name in names if name not in ALLOCATED_RULES]
+    if unknown:
+        raise CurKVError(f"unknown rule(s) {', '.join(map(repr, unknown))} for --same_allocation; expected "
+                         f"{', '.join(ALLOCATED_RULES)} or none")
+    return AllocatedRows(main, tuple(names), one_prefill(*spans, config.continuation_length), config.backend)
 
 
 def _resolve_base(scorer: str, base: str | None, trained: dict, main: ScorerEntry | None) -> tuple[str, object]:

@@ -18,12 +18,13 @@ from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.eval import kvpress_bridge
+from curkv_train.eval.allocated import RAGGED, SAME, AllocatedRows
 from curkv_train.eval.clock import clock
 from curkv_train.eval.compressed import batched_continuation_logits, continuation_logits
 from curkv_train.eval.kvpress_bridge import PressMethod
 from curkv_train.eval.methods import CURKV, FULL
 from curkv_train.eval.metrics import ExampleSums, continuation_sums
-from curkv_train.eval.runtime_caches import feed_chunks, held_bytes, held_tokens, prefill_cache
+from curkv_train.eval.runtime_caches import cache_budget, continue_in_windows, prefill_budget
 from curkv_train.eval.statistics import Bootstrap, result_rows, summarize
 from curkv_train.eval.tasks import MAIN_METRIC, TASKS, TaskExample
 from curkv_train.runtime.attention import install_runtime_attention
@@ -70,12 +71,6 @@ class EvalSettings:
                              "Raise --context_length or lower --window / --n_sink")
 
 
-def _budget(cache, context_length: int) -> dict[str, float]:
-    """What ``cache`` holds of a context of ``context_length`` tokens: tokens per (layer, KV head), bytes."""
-    return {"kept_tokens": held_tokens(cache), "context_tokens": float(context_length),
-            "kv_bytes": float(held_bytes(cache))}
-
-
 @dataclass
 class _Entry:
     """One compressed cache of an example at one ratio: its budget, and its sums once continued."""
@@ -86,40 +81,29 @@ class _Entry:
     sums: dict[str, float] = field(default_factory=dict)
 
 
-def runtime_cache_logits(model: PreTrainedModel, scorer: Scorer, context_ids: torch.Tensor,
-                         continuation_ids: torch.Tensor, keep_ratio: float,
-                         backend: str = "auto") -> tuple[torch.Tensor, dict[str, float]]:
-    """Continuation logits (1, M, vocab) through a CurKVCache at its defaults, and its budget after the prefill
-    (the context prefilled at ``keep_ratio``, the continuation fed a window at a time, as during generation)."""
-    cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio, compute=ComputeConfig(backend=backend))
-    prefill_cache(model, cache, context_ids)
-    budget = _budget(cache, context_ids.shape[1])
-    parts: list[torch.Tensor] = []
-    feed_chunks(model, cache, continuation_ids, context_ids.shape[1], cache.settings.window,
-                lambda start, stop, logits: parts.append(logits))
-    return torch.cat(parts, dim=1), budget
-
-
 @torch.no_grad()
 def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict[str, PressMethod | None],
                      settings: EvalSettings, seed: int,
-                     cache_methods: dict[str, Scorer] | None = None) -> list[tuple[str, float, dict[str, float]]]:
+                     cache_methods: dict[str, Scorer] | None = None,
+                     allocated: AllocatedRows | None = None) -> list[tuple[str, float, dict[str, float]]]:
     """(method, ratio, sums) for every method and ratio on one example; the full cache (row ``full`` at ratio 0) is
     the reference of every KL and perplexity increase. ``cache_methods`` (method name -> scorer) run through the
-    runtime CurKVCache (:func:`runtime_cache_logits`)."""
+    runtime CurKVCache at its defaults; ``allocated``: the scorer's one-prefill ragged row and the rules at its
+    allocation (:mod:`curkv_train.eval.allocated`)."""
     ids = example.input_ids.to(next(model.parameters()).device)
     length = example.context_length
     context_ids, continuation_ids = ids[:, :length], ids[:, length:]
     full_cache = DynamicCache(config=model.config)
     started = clock()
     model.get_decoder()(input_ids=context_ids, past_key_values=full_cache, use_cache=True)
-    full_budget = {**_budget(full_cache, length), "prefill_seconds": clock() - started}
+    full_budget = {**cache_budget(full_cache, length), "prefill_seconds": clock() - started}
     reference = continuation_logits(model, full_cache, continuation_ids, length)
 
     def measure(logits: torch.Tensor) -> dict[str, float]:
         return continuation_sums(logits, reference, continuation_ids, example.answer)
 
     rows = [(FULL, 0.0, {**measure(reference), **full_budget})]
+    rules = allocated.scores(model, context_ids, seed) if allocated is not None else {}
     for ratio in settings.ratios:
         entries = []
         for name, method in methods.items():
@@ -127,11 +111,14 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
                 press = method.press(length, ratio, seed, n_sink=settings.n_sink, window=settings.window,
                                      budget=settings.kvpress_budget)
                 cache, seconds = kvpress_bridge.press_cache(model, method.spec, press, context_ids, seed)
-                entries.append(_Entry(name, cache, {**_budget(cache, length), "prefill_seconds": seconds}))
+                entries.append(_Entry(name, cache, {**cache_budget(cache, length), "prefill_seconds": seconds}))
         for name, scorer in (cache_methods or {}).items():
-            logits, budget = runtime_cache_logits(model, scorer, context_ids, continuation_ids, 1.0 - ratio,
-                                                  settings.backend)
-            entries.append(_Entry(name, None, budget, measure(logits)))
+            cache = CurKVCache(scorer, model=model, keep_ratio=1.0 - ratio, compute=ComputeConfig(backend=settings.backend))
+            budget = prefill_budget(model, cache, context_ids)
+            entries.append(_Entry(name, None, budget, measure(continue_in_windows(model, cache, continuation_ids))))
+        if allocated is not None:
+            entries += [_Entry(name, None, budget, measure(logits)) for name, logits, budget in
+                        allocated.rows(model, context_ids, continuation_ids, 1.0 - ratio, rules)]
         pending = [entry for entry in entries if entry.cache is not None]
         all_logits = batched_continuation_logits(model, [entry.cache for entry in pending], continuation_ids, length,
                                                  settings.max_batch)
@@ -145,7 +132,7 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
              methods: dict[str, PressMethod | None], settings: EvalSettings,
              progress: Callable[[str], None] | None = None,
              cache_methods: dict[str, Scorer] | None = None, ours: str = CURKV,
-             not_baselines: tuple[str, ...] = ()) -> dict:
+             not_baselines: tuple[str, ...] = (), allocated: AllocatedRows | None = None) -> dict:
     """Run every method on every example; the rows, the verdicts and what they were computed from.
 
     Args:
@@ -153,6 +140,7 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
             with ``settings.kvpress`` the ``kvpress:<name>`` rows are added.
         progress: called with one line per finished example.
         cache_methods: method name -> trained scorer run through the runtime CurKVCache (``curkv_cache``).
+        allocated: the ``curkv_ragged`` row and the ``same:<rule>`` rows at its allocation.
         ours: the method the summary's verdict is about; ``not_baselines``: other rows that are not baselines.
 
     Returns:
@@ -175,7 +163,8 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
             for index, example in enumerate(task_examples):
                 tick = time.perf_counter()
                 for method, ratio, sums in evaluate_example(model, example, methods, settings,
-                                                            settings.seed * 1_000_003 + number, cache_methods):
+                                                            settings.seed * 1_000_003 + number, cache_methods,
+                                                            allocated):
                     log.add(method, ratio, task, sums)
                 number += 1
                 if progress is not None:
@@ -190,7 +179,10 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
               for task, task_examples in examples.items()}
     rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL, groups)
     summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL, exclude=not_baselines)
-    return {"rows": rows, "summary": summary, "main_metric": main_metric, "seconds_per_example": seconds,
+    same = [] if allocated is None else summarize(
+        rows, main_metric, kinds, settings.bootstrap, ours=RAGGED, reference=FULL,
+        exclude={row["method"] for row in rows if not row["method"].startswith(SAME)})
+    return {"rows": rows, "summary": summary, "summary_same_allocation": same, "main_metric": main_metric, "seconds_per_example": seconds,
             "bootstrap": settings.bootstrap.record(),
             "documents": {task: [list(example.documents) for example in task_examples]
                           for task, task_examples in examples.items()

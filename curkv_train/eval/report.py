@@ -19,6 +19,8 @@ from curkv_train.runtime.cache_config import TierConfig
 BUDGET_TABLES = ("kept_tokens", "kv_bytes", "prefill_seconds")
 
 
+SAME_ALLOCATION = "summary_same_allocation"  # results.json: the scorer against the rules at its allocation
+
 def _json_value(value):
     """``value`` with NaN / inf (also inside lists and dicts) as None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -80,13 +82,16 @@ def _cell(value: float | None, name: str, interval: list | None = None) -> str:
     return text
 
 
-def curkv_summary(results: dict) -> list[str]:
-    """Markdown lines: per task and ratio, the trained scorer against the best other method (results["summary"])."""
-    entries = results.get("summary") or []
+def curkv_summary(results: dict, key: str = "summary") -> list[str]:
+    """Markdown lines: per task and ratio, the trained scorer against the best other method (``results[key]``:
+    ``summary``, system against system; ``summary_same_allocation``, against the rules at its allocation)."""
+    entries = results.get(key) or []
     if not entries:
         return []
     ours = entries[0].get("method", CURKV)
-    lines = [f"## Summary: {ours} against the best baseline", "",
+    title = ("against the best rule at its own allocation (same tokens in every layer and KV head)"
+             if key == SAME_ALLOCATION else "against the best baseline")
+    lines = [f"## Summary: {ours} {title}", "",
              f"| task | metric | ratio | {ours} | best baseline | {ours} − best | verdict |",
              "|---|---|---|---|---|---|---|"]
     for entry in entries:
@@ -187,7 +192,7 @@ def results_markdown(results: dict, config: dict) -> str:
     if not rows and results.get("streaming"):  # the streaming task alone
         lines = ["# KV-cache compression evaluation", "",
                  f"Base `{config.get('base')}`, scorer `{config.get('scorer')}`, seed {config.get('seed')}.", ""]
-    lines += curkv_summary(results)
+    lines += curkv_summary(results) + curkv_summary(results, SAME_ALLOCATION)
     lines += _notes(results, config) if rows else []
     for task, main in results["main_metric"].items():
         lines += [f"## {task}", ""]

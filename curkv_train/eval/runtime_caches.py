@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 from curkv_train.core.shapes import kv_shape
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.observer import ObservationBuffer
+from curkv_train.runtime.ragged_layer import RaggedCurKVLayer
 
 
 class RecencyCache(CurKVCache):
@@ -59,9 +60,11 @@ def held_bytes(cache: Cache) -> int:
 
 
 def held_tokens(cache: Cache) -> float:
-    """Mean tokens held per (layer, KV head), all tiers counted."""
+    """Mean tokens held per (layer, KV head), all tiers counted (a ragged layer's heads averaged)."""
     if isinstance(cache, CurKVCache):
-        return sum(cache.held_tokens(layer) for layer in range(len(cache.layers))) / len(cache.layers)
+        ragged = {layer.layer_idx: float(layer.held_lengths().float().mean()) for layer in cache.compressed_layers
+                  if isinstance(layer, RaggedCurKVLayer)}
+        return sum(ragged.get(layer, cache.held_tokens(layer)) for layer in range(len(cache.layers))) / len(cache.layers)
     return sum(layer.keys.shape[2] for layer in cache.layers if layer.keys is not None) / len(cache.layers)
 
 
@@ -85,6 +88,27 @@ def feed_chunks(model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, s
         positions = torch.arange(seen + start, seen + start + part.shape[1], device=device)[None]
         output = model(input_ids=part, past_key_values=cache, use_cache=True, position_ids=positions)
         on_step(start, start + part.shape[1], output.logits.float())
+
+
+def cache_budget(cache: Cache, context_length: int) -> dict[str, float]:
+    """What ``cache`` holds of a context of ``context_length`` tokens: tokens per (layer, KV head), bytes."""
+    return {"kept_tokens": held_tokens(cache), "context_tokens": float(context_length),
+            "kv_bytes": float(held_bytes(cache))}
+
+
+def prefill_budget(model: PreTrainedModel, cache: Cache, context_ids: torch.Tensor) -> dict[str, float]:
+    """Prefill ``context_ids`` (1, tokens) into an empty ``cache``; what it then holds (:func:`cache_budget`)."""
+    prefill_cache(model, cache, context_ids)
+    return cache_budget(cache, context_ids.shape[1])
+
+
+def continue_in_windows(model: PreTrainedModel, cache: CurKVCache, continuation_ids: torch.Tensor) -> torch.Tensor:
+    """Continuation logits (1, M, vocab) float32: ``continuation_ids`` fed into a prefilled runtime ``cache`` a window
+    at a time, as during generation (the cache compresses as it does then)."""
+    parts: list[torch.Tensor] = []
+    feed_chunks(model, cache, continuation_ids, cache.get_seq_length(), cache.settings.window,
+                lambda start, stop, logits: parts.append(logits))
+    return torch.cat(parts, dim=1)
 
 
 def plain_cache(model: PreTrainedModel) -> DynamicCache:
