@@ -111,7 +111,12 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
                 press = method.press(length, ratio, seed, n_sink=settings.n_sink, window=settings.window,
                                      budget=settings.kvpress_budget)
                 cache, seconds = kvpress_bridge.press_cache(model, method.spec, press, context_ids, seed)
-                entries.append(_Entry(name, cache, {**cache_budget(cache, length), "prefill_seconds": seconds}))
+                entry = _Entry(name, cache, {**cache_budget(cache, length), "prefill_seconds": seconds})
+                if method.spec.masked:  # its masks live on the model until the next prefill: continue now
+                    entry.budget["kept_tokens"] = kvpress_bridge.masked_kept(model, length)
+                    entry.sums, entry.cache = measure(kvpress_bridge.masked_continuation(model, cache,
+                                                                                         continuation_ids)), None
+                entries.append(entry)
         for name, scorer in (cache_methods or {}).items():
             cache = CurKVCache(scorer, model=model, keep_ratio=1.0 - ratio, compute=ComputeConfig(backend=settings.backend))
             budget = prefill_budget(model, cache, context_ids)
@@ -154,7 +159,8 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
     if settings.kvpress:
         methods = {**methods, **{kvpress_bridge.PREFIX + name: kvpress_bridge.kvpress_method(
             name, n_sink=settings.n_sink, window=settings.window) for name in settings.kvpress_presses}}
-    budgeted = any(method is not None and method.layer_budget is not None for method in methods.values())
+    budgeted = any(method is not None and (method.layer_budget is not None or method.spec.layered)
+                   for method in methods.values())
     # layers of a budgeted cache hold different counts: the wrapper fits the mask, for this evaluation only
     log, seconds, number = ExampleSums(), {}, 0
     with install_runtime_attention(model, factored=False, per_layer=True) if budgeted else nullcontext():

@@ -3,8 +3,10 @@
 kvpress keeps ``int(n·(1 − r))`` of all n tokens per (layer, KV head); a row's :class:`PressMethod` sets r so
 the row keeps our selection's count (sinks + window + ⌈ρ·n_compressible⌉, :func:`press_ratio`), per layer
 under a layer budget (kvpress's PerLayerCompressionPress). ``kvpress:<name>`` rows (``--kvpress``) run
-kvpress's presses as shipped, at that count or at the ratio as given. Every press drops what it evicts:
-kvpress's masked presses (AdaKV, KVzip: the whole cache kept, keys hidden) are not run."""
+kvpress's presses as shipped, at that count or at the ratio as given. Every press drops what it evicts but
+AdaKV: it keeps the whole cache and hides the keys it evicts per head (``masked``), so its row continues at once
+from its own cache, reports the tokens it leaves visible and holds the full cache's bytes. PyramidKV gives each
+layer its own count (the mean is the row's)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from curkv_train.core.errors import CurKVError
+from curkv_train.core.observation import attention_modules
+from curkv_train.core.shapes import text_config
 from curkv_train.core.selection import expected_kept
 from curkv_train.eval.clock import clock
 from curkv_train.runtime.allocation import LayerBudget
@@ -29,10 +33,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PressSpec:
     """How the harness runs a press: kvpress's class ``cls`` (skipped where this kvpress lacks it) or one of
-    :mod:`curkv_train.eval.baseline_presses`; ``eager``: it reads attention weights (the prefill runs eager)."""
+    :mod:`curkv_train.eval.baseline_presses`; ``eager``: it reads attention weights (the prefill runs eager);
+    ``masked``: it hides evicted keys in a whole cache (:func:`masked_kept`) instead of dropping them; ``layered``:
+    its layers keep different counts (the model then runs the runtime's mask-fitting attention wrapper)."""
 
     cls: str
     eager: bool = False
+    masked: bool = False
+    layered: bool = False
 
 
 # kvpress's presses (``--kvpress_presses`` names) -> how to run them
@@ -50,6 +58,8 @@ PRESSES = {
     "criticalkv": PressSpec("CriticalKVPress"),
     "keydiff": PressSpec("KeyDiffPress"),
     "lagkv": PressSpec("LagKVPress"),
+    "pyramidkv": PressSpec("PyramidKVPress", layered=True),
+    "adakv": PressSpec("AdaKVPress", masked=True),
 }
 # our presses, for the baselines kvpress has no press of
 OWN_PRESSES = {"h2o": PressSpec("H2OPress", eager=True)}
@@ -104,12 +114,15 @@ def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int,
 
         return getattr(baseline_presses, OWN_PRESSES[name].cls)(compression_ratio=compression_ratio)
     kvpress = _kvpress()
+    if name == "adakv":  # heads of a layer share its places, ranked by ExpectedAttention (kvpress's own pairing)
+        return kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=compression_ratio, n_sink=n_sink))
     if name == "criticalkv":
         return kvpress.CriticalKVPress(kvpress.ExpectedAttentionPress(compression_ratio=compression_ratio,
                                                                       n_sink=n_sink, use_vnorm=False))
     extra = {"streaming_llm": {"n_sink": n_sink}, "expected_attention": {"n_sink": n_sink},
              "cur": {"num_sinks": n_sink}, "snapkv": {"window_size": max(1, window)}, "random": {"seed": seed},
-             "lagkv": {"n_sink": n_sink}, "compactor": {"sink_size_start": n_sink}}
+             "lagkv": {"n_sink": n_sink}, "compactor": {"sink_size_start": n_sink},
+             "pyramidkv": {"window_size": max(1, window)}}
     return getattr(kvpress, PRESSES[name].cls)(compression_ratio=compression_ratio, **extra.get(name, {}))
 
 
@@ -192,3 +205,31 @@ def press_cache(model: PreTrainedModel, spec: PressSpec, press: BasePress, conte
         with press(model):
             model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True)
         return cache, clock() - started
+
+
+def masked_kept(model: PreTrainedModel, context_length: int) -> float:
+    """Mean tokens per (layer, KV head) a masked press leaves visible after a prefill of ``context_length`` tokens
+    (kvpress records the hidden ones per attention module, ``masked_key_indices``)."""
+    config = text_config(model.config)
+    heads = config.num_key_value_heads
+    hidden = [len(module.masked_key_indices[0]) for module in attention_modules(model)
+              if getattr(module, "masked_key_indices", None) is not None]
+    return context_length - sum(hidden) / (heads * config.num_hidden_layers)
+
+
+@torch.no_grad()
+def masked_continuation(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor) -> torch.Tensor:
+    """Continuation logits (1, M, vocab) float32 from a masked press's ``cache``, a token at a time (kvpress's patch
+    hides a key from one step's queries at once; from many it may find no key to hide it with). The masks are then
+    cleared: kvpress's patch would otherwise hide the same places in the next cache too."""
+    seen, parts = cache.get_seq_length(), []
+    try:
+        for index in range(continuation_ids.shape[1]):
+            positions = torch.tensor([[seen + index]], device=continuation_ids.device)
+            output = model(input_ids=continuation_ids[:, index:index + 1], past_key_values=cache, use_cache=True,
+                           position_ids=positions)
+            parts.append(output.logits.float())
+    finally:
+        for module in attention_modules(model):
+            module.masked_key_indices = None
+    return torch.cat(parts, dim=1)
