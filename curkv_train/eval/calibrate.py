@@ -2,9 +2,10 @@
 
 Blocks of the scorer's own training split are streamed through the runtime cache as the streaming task
 does. Per decoder layer, the cache compresses that layer alone to ``probe_keep``: the perplexity increase
-is the layer's sensitivity. Each candidate exponent of :class:`~curkv_train.runtime.allocation.LayerBudget`
-(0, one ratio for every layer, among them) then splits ``keep_ratio`` across layers on the same documents;
-the best is written into the scorer's ``scorer.json`` (atomically), where CurKVCache reads it by default.
+is the layer's sensitivity. Each candidate (exponent, floor) of :class:`~curkv_train.runtime.allocation.LayerBudget`
+(exponent 0, one ratio for every layer, among them) then splits ``keep_ratio`` across layers on the same documents;
+the best is written into the scorer's ``scorer.json`` (atomically), where CurKVCache reads it by default. Both the
+exponent and the floor are chosen here, on training blocks: no evaluation document takes part.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ class Calibration:
 
 
 def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exponents: FloatList = FloatList([0.5, 1.0, 2.0]),
-              floor: float = 0.4, length: int = 2048, prefix: int = 512, chunk: int = 64, per_source: int = 1,
-              base: str | None = None) -> LayerBudget:
+              floors: FloatList = FloatList([0.2, 0.4, 0.6]), length: int = 2048, prefix: int = 512, chunk: int = 64,
+              per_source: int = 1, base: str | None = None) -> LayerBudget:
     """Measure every layer's sensitivity and write the scorer's layer budget into its scorer.json.
 
     Args:
@@ -97,7 +98,8 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
         keep_ratio: the mean keep ratio the exponents are compared at.
         probe_keep: the keep ratio of the one layer compressed when measuring its sensitivity.
         exponents: candidate exponents (0, one ratio for every layer, is always tried).
-        floor: least keep ratio of any layer, as a share of the mean.
+        floors: candidate floors, each layer's least keep ratio as a share of the mean, in (0, 1]; every
+            exponent is tried with every floor.
         length: tokens per calibration document.
         prefix: tokens of it prefilled at once (the perplexity is over the rest).
         chunk: tokens fed per step after the prefix.
@@ -107,6 +109,8 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
     Returns:
         The budget written.
     """
+    if not floors or any(not 0.0 < floor <= 1.0 for floor in floors):
+        raise CurKVError(f"calibrate needs floors in (0, 1], got {list(floors)}")
     if not (0.0 < probe_keep < 1.0 and 0.0 < keep_ratio < 1.0) or length <= prefix or min(prefix, chunk, per_source) < 1:
         raise CurKVError(f"calibrate needs 0 < probe_keep, keep_ratio < 1, length > prefix >= 1, chunk >= 1 and "
                          f"per_source >= 1; got {probe_keep}, {keep_ratio}, {length}, {prefix}, {chunk}, {per_source}")
@@ -125,14 +129,17 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
                         for layer in range(layers))
     _say(f"sensitivity (% perplexity, one layer at keep {probe_keep}): {', '.join(f'{s:.3f}' for s in sensitivity)}")
     tried = {}
-    for exponent in dict.fromkeys([0.0, *map(float, exponents)]):
-        tried[exponent] = calibration.increase(keep_ratio, LayerBudget(sensitivity, exponent, floor))
-        _say(f"exponent {exponent:g}: +{tried[exponent]:.3f} % perplexity at keep {keep_ratio}")
-    budget = LayerBudget(sensitivity, min(tried, key=tried.get), floor)
+    candidates = [(0.0, 1.0)] + [(float(exponent), float(floor)) for exponent in dict.fromkeys(exponents)
+                                 if exponent != 0 for floor in dict.fromkeys(floors)]
+    for exponent, floor in candidates:
+        tried[exponent, floor] = calibration.increase(keep_ratio, LayerBudget(sensitivity, exponent, floor))
+        _say(f"exponent {exponent:g}, floor {floor:g}: +{tried[exponent, floor]:.3f} % perplexity at keep {keep_ratio}")
+    budget = LayerBudget(sensitivity, *min(tried, key=tried.get))
     record = {**budget.record(), "calibration": {
         "keep_ratio": keep_ratio, "probe_keep": probe_keep, "length": length, "prefix": prefix, "chunk": chunk,
         "documents": len(documents), "sources": [source.kind for source in DataRecipe.of_scorer(loaded.metadata).sources],
-        "ppl_increase_pct_by_exponent": {f"{exponent:g}": value for exponent, value in tried.items()}}}
+        "ppl_increase_pct_by_exponent_floor": {f"{exponent:g},{floor:g}": value
+                                               for (exponent, floor), value in tried.items()}}}
     _write_budget(folder / CONFIG_FILE, record)
     return budget
 

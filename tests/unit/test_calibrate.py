@@ -20,15 +20,15 @@ def folder(tmp_path):
 
 def test_calibrate_writes_the_budget_it_measured(folder):
     weights = json.loads((folder / "scorer.json").read_text())["weights"]
-    budget = calibrate(str(folder), exponents=[1.0, 4.0], length=192, prefix=64, chunk=16)
+    budget = calibrate(str(folder), exponents=[1.0, 4.0], floors=[0.3, 0.9], length=192, prefix=64, chunk=16)
     record = json.loads((folder / "scorer.json").read_text())
     assert record["weights"] == weights
     entry = record["layer_budget"]
     assert entry["sensitivity"] == pytest.approx(list(budget.sensitivity)) and len(budget.sensitivity) == 2
     assert any(value != 0 for value in budget.sensitivity)
-    tried = entry["calibration"]["ppl_increase_pct_by_exponent"]
-    assert set(tried) == {"0", "1", "4"}
-    assert tried[f"{budget.exponent:g}"] == min(tried.values())
+    tried = entry["calibration"]["ppl_increase_pct_by_exponent_floor"]
+    assert set(tried) == {"0,1", "1,0.3", "1,0.9", "4,0.3", "4,0.9"}
+    assert tried[f"{budget.exponent:g},{budget.floor:g}"] == min(tried.values())
     assert entry["calibration"]["documents"] == 2  # one block of each of the default recipe's stdlib and pydoc
     assert load_scorer(folder).layer_budget == budget
 
@@ -38,3 +38,5 @@ def test_calibrate_refuses_bad_settings(folder):
         calibrate(str(folder), length=64, prefix=64)
     with pytest.raises(CurKVError, match="0 < probe_keep"):
         calibrate(str(folder), probe_keep=1.0)
+    with pytest.raises(CurKVError, match=r"floors in \(0, 1\]"):
+        calibrate(str(folder), floors=[0.0])
