@@ -14,6 +14,17 @@ def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
+def held_positions(layer) -> torch.Tensor:
+    """The positions a cache layer holds: (batch, kv_heads, held) sorted per head, or for a ragged layer (a joint
+    allocation's) each head's count followed by its sorted positions, heads one after another."""
+    if getattr(layer, "store", None) is None:
+        return layer.positions.long().sort(dim=-1).values
+    parts = []
+    for row, length in zip(layer.store.offsets.flatten().tolist(), layer.lengths.flatten().tolist()):
+        parts += [torch.tensor([length]), layer.row_positions[row:row + length].long().sort().values.cpu()]
+    return torch.cat(parts)
+
+
 @torch.no_grad()
 def selections(model, scorer_dir: Path, ids: torch.Tensor, keep_ratio: float) -> dict[str, list[str]]:
     """``cache``: per layer, the digest of the token positions CurKVCache holds after prefilling ``ids``
@@ -24,7 +35,7 @@ def selections(model, scorer_dir: Path, ids: torch.Tensor, keep_ratio: float) ->
     scorer = load_scorer(scorer_dir, model=model)
     cache = CurKVCache(scorer, model=model, keep_ratio=keep_ratio)
     model(ids, past_key_values=cache, use_cache=True)
-    held = [digest(layer.positions.long().sort(dim=-1).values) for layer in cache.layers]
+    held = [digest(held_positions(layer)) for layer in cache.layers]
     if hasattr(cache, "close"):
         cache.close()
     del cache

@@ -96,7 +96,9 @@ def test_compression_moves_the_student(module):
     (TrainingSettings(keep_ratio=0.5), True),
     (TrainingSettings(keep_ratio=0.4, hard_topk=True, allocation="joint"), False),
     (TrainingSettings(keep_ratio=0.5, hard_topk=True, streaming_rounds=2, hot_windows=1, compress_every=1), False),
-], ids=["soft-dense", "hard-joint", "streaming"])
+    (TrainingSettings(keep_ratio=0.5, hard_topk=True, streaming_rounds=2, hot_windows=1, compress_every=1,
+                      recent_share=0.5, allocation="joint"), False),
+], ids=["soft-dense", "hard-joint", "streaming", "streaming-joint"])
 def test_a_training_step_reaches_full_layers_only(module, settings, dense):
     ids = token_ids()
     module.estimator.zero_grad()
@@ -116,7 +118,7 @@ def test_a_training_step_reaches_full_layers_only(module, settings, dense):
         for layer in range(layers):
             assert (per_layer[layer] > 0) == (layer in module.full_layers), (name, layer)
     assert module.estimator.key_weight.grad is not None
-    if settings.allocation == "joint":  # ⌈ρ·N⌉ over the full layers' compressible tokens of each example
+    if settings.allocation == "joint" and not settings.streaming_rounds:  # ⌈ρ·N⌉ over the full layers' compressible tokens of each example
         n = int(module.compressible(capture).sum())
         per_example = len(module.full_layers) * module.base.config.num_key_value_heads * n
         kept = out["kept_layer"].sum() * n * module.base.config.num_key_value_heads

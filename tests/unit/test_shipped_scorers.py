@@ -13,8 +13,10 @@ CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 SHIPPED = sorted(folder.name for folder in CHECKPOINTS.iterdir() if (folder / "scorer.json").is_file())
 
 
-def test_the_shipped_scorers_are_found():
-    assert {"smollm2-135m", "smollm2-135m-four-features", "smollm2-135m-runtime"} <= set(SHIPPED)
+def test_one_scorer_ships_per_base_model():
+    assert "smollm2-135m" in SHIPPED
+    bases = [json.loads((CHECKPOINTS / name / "scorer.json").read_text())["base_model"]["id"] for name in SHIPPED]
+    assert len(bases) == len(set(bases)), f"two shipped scorers serve one base model: {SHIPPED}"
 
 
 @pytest.mark.parametrize("name", SHIPPED)
