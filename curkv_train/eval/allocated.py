@@ -107,6 +107,19 @@ class AllocatedCache(CurKVCache):
                          "has no reference counts (lengthen compress_every)")
 
 
+class RecordingCache(CurKVCache):
+    """A joint :class:`CurKVCache` that keeps, in :attr:`recorded` (layer -> (batch, kv_heads, tokens)), the logits
+    its scorer gave every prefilled token for its first compression."""
+
+    recorded: dict[int, torch.Tensor]
+
+    def _score_layers(self, layers: list) -> list[torch.Tensor]:
+        logits = super()._score_layers(layers)
+        self.recorded = {**getattr(self, "recorded", {}),
+                         **{layer.layer_idx: each for layer, each in zip(layers, logits)}}
+        return logits
+
+
 def ragged_lengths(cache: CurKVCache) -> dict[int, torch.Tensor]:
     """layer -> (batch, kv_heads) tokens each compressed layer of a joint cache holds."""
     return {layer.layer_idx: layer.held_lengths() for layer in cache.compressed_layers}

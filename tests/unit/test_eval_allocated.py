@@ -10,14 +10,13 @@ import torch
 kvpress = pytest.importorskip("kvpress")
 
 from curkv_train.core.errors import CurKVError  # noqa: E402
-from curkv_train.eval.allocated import (RAGGED, SAME, AllocatedCache, AllocatedRows, one_prefill,  # noqa: E402
-                                        ragged_lengths, rule_scores)
+from curkv_train.eval.allocated import (RAGGED, SAME, AllocatedCache, AllocatedRows, RecordingCache,  # noqa: E402
+                                        one_prefill, ragged_lengths, rule_scores)
 from curkv_train.eval.harness import EvalSettings, evaluate  # noqa: E402
 from curkv_train.eval.methods import build_methods  # noqa: E402
 from curkv_train.eval.runtime_caches import continue_in_windows, prefill_budget  # noqa: E402
 from curkv_train.eval.tasks import TaskExample  # noqa: E402
 from curkv_train.models.base import TINY_RANDOM, load_base_model  # noqa: E402
-from curkv_train.runtime import CurKVCache  # noqa: E402
 from runtime_helpers import random_scorer  # noqa: E402
 
 CONTEXT, CONTINUATION, N_SINK, WINDOW = 96, 12, 4, 16
@@ -38,15 +37,6 @@ def scorer():
 
 def context(seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 500, (1, CONTEXT + CONTINUATION), generator=torch.Generator().manual_seed(seed))
-
-
-class RecordingCache(CurKVCache):
-    """The scorer's own cache, keeping the logits of its one joint compression."""
-
-    def _score_layers(self, layers):
-        logits = super()._score_layers(layers)
-        self.recorded = {layer.layer_idx: each for layer, each in zip(layers, logits)}
-        return logits
 
 
 def held(cache, layer: int) -> list[set[int]]:
