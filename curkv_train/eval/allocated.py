@@ -3,7 +3,8 @@
 A joint scorer decides, per example, how many tokens each (layer, KV head) keeps (:mod:`curkv_train.runtime.joint`).
 To ask whether its *scores* beat a rule's, the rule must get that same allocation. The ``curkv_ragged`` row prefills
 the context into the runtime :class:`~curkv_train.runtime.CurKVCache` under the one-prefill tiers (:func:`one_prefill`:
-its sinks and last window protected, the rest chosen once, ragged storage). A ``same:<rule>`` row prefills the context
+its sinks and last window protected, the rest chosen once, ragged storage), holding as many tokens in all as a press
+row. A ``same:<rule>`` row prefills the context
 under :class:`RecordingPress`, which holds kvpress's press ``<rule>`` scoring every layer and evicts nothing. It then
 feeds the context through :class:`AllocatedCache`: the same cache, whose compression keeps in each (layer, KV head)
 the scorer's count, chosen by the rule's scores. Same tiers, counts, storage and attention: only the scores differ.
@@ -19,6 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from curkv_train.core.errors import CurKVError
+from curkv_train.core.selection import expected_kept
 from curkv_train.eval import kvpress_bridge
 from curkv_train.eval.runtime_caches import continue_in_windows, prefill_budget
 from curkv_train.runtime.cache import CurKVCache
@@ -142,7 +144,10 @@ class AllocatedRows:
 
     def rows(self, model: PreTrainedModel, context_ids: torch.Tensor, continuation_ids: torch.Tensor,
              keep_ratio: float, scores: dict[str, dict]) -> list[tuple[str, torch.Tensor, dict[str, float]]]:
-        """(row, continuation logits (1, M, vocab), budget after the prefill) of the scorer and of every rule."""
+        """(row, continuation logits (1, M, vocab), budget after the prefill) of the scorer and of every rule, each
+        holding what a press row holds at ``keep_ratio`` (sinks + window + ⌈ρ·n_compressible⌉ per head on average)."""
+        tokens = context_ids.shape[1]
+        keep_ratio = expected_kept(tokens, self.tiers.n_sink, self.tiers.window, keep_ratio) / tokens
         compute = ComputeConfig(backend=self.backend)
         reference = CurKVCache(self.scorer, model, keep_ratio, layer_budget="uniform", tiers=self.tiers,
                                compute=compute)

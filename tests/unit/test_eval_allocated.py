@@ -88,6 +88,7 @@ def test_the_evaluation_runs_rules_at_the_scorers_allocation(model, scorer):
                        settings, allocated=allocated, ours=RAGGED)
     rows = {row["method"]: row["metrics"] for row in results["rows"]}
     assert {RAGGED, SAME + "knorm", SAME + "snapkv"} <= set(rows)
+    assert rows[RAGGED]["kept_tokens"] == rows["knorm"]["kept_tokens"]  # a press row's count, spread by the scores
     for rule in ("knorm", "snapkv"):
         assert rows[SAME + rule]["kept_tokens"] == rows[RAGGED]["kept_tokens"] < CONTEXT
         assert rows[SAME + rule]["kv_bytes"] == rows[RAGGED]["kv_bytes"]
