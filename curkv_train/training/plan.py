@@ -17,7 +17,8 @@ strategy, devices, nodes, per-device batch and the curriculum's longest stage
   with activation checkpointing on decoder layers (the FSDP recipe)
       layers × b × M × hidden × s (each layer's checkpointed input) + A (one layer recomputed),
   without it (DDP) layers × (b × M × hidden × s + A); both
-  + layers × b × kv_heads × N × a × 4 (estimator, a = its ``activation_floats()``: d / hidden_divisor + 2
+  + compressed layers × b × kv_heads × N × a × 4 (estimator over the layers it scores, every layer but a hybrid
+    base's sliding-window ones; a = its ``activation_floats()``: d / hidden_divisor + 2
     for the seed)
   + 2 × kl_chunk_size × b × vocab × 4 (teacher and student logits of one KL chunk).
 - estimator + AdamW: parameters × 4 bytes × 4 (fp32 weights, grads, two moments),
@@ -61,6 +62,9 @@ class Plan:
     estimator_optimizer_bytes: int
     total_bytes: int
     activation_checkpointing: bool
+    compressed_layers: int
+    sliding_layers: int
+    sliding_window: int | None
     tokens_per_step: int
     continuation_tokens_per_step: int
 
@@ -117,6 +121,7 @@ def compute_plan(recipe: str, config) -> Plan:
     and size one training step (see the module docstring)."""
     from curkv_train.models.configs import build_meta_model, kv_shape, load_model_config
     from curkv_train.models.families import build_estimator
+    from curkv_train.runtime.hybrid import sliding_layers
 
     model_hp, trainer = config.model, config.trainer
     model_config = load_model_config(model_hp.base_model)
@@ -137,6 +142,8 @@ def compute_plan(recipe: str, config) -> Plan:
     layer_parameters = _count(layers[0].parameters())
     root_parameters = base_parameters - _count(layers.parameters())
     estimator_parameters = _count(estimator.parameters())
+    sliding = len(sliding_layers(base))
+    compressed = shape.num_layers - sliding  # a hybrid base's sliding-window layers are never scored
 
     sharded = kind == "fsdp"
     weight_bytes = base_parameters * dtype_bytes // (world if sharded else 1)
@@ -151,14 +158,16 @@ def compute_plan(recipe: str, config) -> Plan:
     checkpointed = activation_checkpointing(trainer.strategy)
     layers_saved = shape.num_layers * layer_input + (1 if checkpointed else shape.num_layers) * layer_internal
     activations = (layers_saved
-                   + shape.num_layers * batch * shape.num_kv_heads * context
+                   + compressed * batch * shape.num_kv_heads * context
                    * estimator.activation_floats() * FP32
                    + 2 * model_hp.kl_chunk_size * batch * model_config.vocab_size * FP32)
     optimizer = estimator_parameters * FP32 * 4 // (world if sharded else 1)
     total = weight_bytes + gathered + kv_capture + activations + optimizer
     return Plan(recipe, model_hp.base_model, kind, devices, nodes, world, batch, context, continuation, dtype_name,
                 base_parameters, estimator_parameters, kv_per_token, weight_bytes, gathered, kv_capture,
-                activations, optimizer, total, checkpointed, world * batch * (context + continuation), world * batch * continuation)
+                activations, optimizer, total, checkpointed, compressed, sliding,
+                getattr(model_config, "sliding_window", None) if sliding else None,
+                world * batch * (context + continuation), world * batch * continuation)
 
 
 def human_bytes(count: int) -> str:
@@ -178,6 +187,9 @@ def format_plan(plan: Plan) -> str:
         ("base parameters", f"{plan.base_parameters:,}", f"{plan.base_model}, {plan.base_dtype}"),
         ("estimator parameters", f"{plan.estimator_parameters:,}", "fp32"),
         ("KV bytes per token", human_bytes(plan.kv_bytes_per_token), "2 x layers x kv_heads x head_dim x dtype"),
+        ("compressed layers", f"{plan.compressed_layers}", "every layer" if not plan.sliding_layers else
+         f"full-attention only: {plan.sliding_layers} sliding-window layers (window {plan.sliding_window}) keep "
+         "their window, uncompressed"),
         ("weights / GPU", human_bytes(plan.weight_bytes), f"{layout} {plan.world_size} GPUs ({plan.strategy})"),
         ("gathered units / GPU", human_bytes(plan.gathered_weight_bytes), "FSDP only: root + one decoder layer"),
         ("KV capture / GPU", human_bytes(plan.kv_capture_bytes), f"{plan.context_length} context tokens x "

@@ -91,3 +91,11 @@ def test_counts_below_one_are_one_line(capsys, flag, value):
     err = capsys.readouterr().err
     assert err.startswith("curkv-train: error: the recipe's ") and f"pass {flag} N (N >= 1)" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_hybrid_base_scores_its_full_attention_layers_only():
+    gemma = plan_of("gemma3-270m")
+    assert (gemma.compressed_layers, gemma.sliding_layers, gemma.sliding_window) == (3, 15, 512)
+    assert gemma.kv_bytes_per_token == 2 * 18 * 1 * 256 * 4  # the capture holds every layer's context
+    smollm2 = plan_of("smollm2-135m")
+    assert (smollm2.compressed_layers, smollm2.sliding_layers, smollm2.sliding_window) == (30, 0, None)
