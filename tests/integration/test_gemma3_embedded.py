@@ -60,10 +60,14 @@ def test_shipped_config_has_the_embedded_models_geometry():
         assert getattr(shipped, name) == getattr(embedded, name), name
 
 
+@pytest.fixture(scope="module")
+def model():
+    return load_base_model(GEMMA, attn_implementation="sdpa")
+
+
 @needs_gemma
-def test_greedy_text_needs_bos(tokenizer):
+def test_greedy_text_needs_bos(tokenizer, model):
     """With <bos> the continuation is varied; without it Gemma 3 degenerates (repeats one token)."""
-    model = load_base_model(GEMMA)
     with_bos = tokenizer("The capital of France is", return_tensors="pt").input_ids
     without_bos = with_bos[:, 1:]
     continuations = {}
@@ -76,3 +80,24 @@ def test_greedy_text_needs_bos(tokenizer):
     assert most_repeated["bos"] < 4, texts
     # Recorded behaviour, not a requirement: without <bos> one token fills most of the 8.
     print(f"greedy continuations: {texts}; most repeated token count: {most_repeated}")
+
+
+@needs_gemma
+def test_at_keep_one_the_runtime_cache_generates_what_the_plain_model_does(tokenizer, model):
+    """A prompt past the 512-token sliding window: the sliding layers slide, the full ones keep all, and a cache that
+    compresses nothing changes no greedy token (a query-aware scorer, untrained: at keep 1 its scores go unused)."""
+    from curkv_train.eval.scorer_entries import fresh_scorer
+    from curkv_train.runtime import CurKVCache
+
+    text = " ".join(f"Item {index} is stored in box {index * 7 % 13}." for index in range(70))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :600]
+    assert ids.shape[1] == 600 > model.config.sliding_window
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.inference_mode():
+        plain = model.generate(ids, **options)
+        with CurKVCache(fresh_scorer("query_aware", model, GEMMA), model, keep_ratio=1.0) as cache:
+            cached = model.generate(ids, past_key_values=cache, **options)
+            assert cache.held_tokens(0) == model.config.sliding_window - 1  # a sliding layer holds its window
+            full = next(index for index, kind in enumerate(model.config.layer_types) if kind == "full_attention")
+            assert cache.held_tokens(full) == 600 + 11
+    assert torch.equal(cached, plain)
