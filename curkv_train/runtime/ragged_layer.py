@@ -157,28 +157,18 @@ class RaggedCurKVLayer(CurKVLayer):
 
     # --- compression -----------------------------------------------------------------------------------------------
 
-    def _to_ragged(self) -> None:
-        """Move the dense tensors (every head the same tokens) into packed storage, no spare rows."""
-        batch, heads, tokens, dim = self.keys.shape
-        self.lengths = torch.full((batch, heads), tokens, dtype=torch.long)
-        offsets, self.capacities = packed_layout(self.lengths, 0)
-        device_lengths = self.lengths.to(self.device)
-        self.store = RaggedKV(self.keys.reshape(-1, dim).clone(), self.values.reshape(-1, dim).clone(),
-                              offsets.to(self.device), device_lengths, device_lengths.clone())
-        self.row_positions = self.positions.reshape(-1).clone()
-        self.row_scores = None if self.token_scores is None else self.token_scores.reshape(-1).clone()
-        self.warm = torch.full((batch, heads), self.n_warm, dtype=torch.long)
-        self.keys = self.values = self.positions = self.token_scores = None
-
     def begin_compression(self) -> Competition | None:
-        """Age the tokens past the hot tier into the candidates and say what competes (None: nothing aged). Moves a
-        dense layer into ragged storage first."""
-        if self.store is None:
-            self._to_ragged()
+        """Age the tokens past the hot tier into the candidates and say what competes (None: nothing aged). A dense
+        layer (every head the prefill's tokens) stays dense until :meth:`finish` gathers what it keeps into packed
+        storage."""
         settings = self.settings
         aged = self.n_hot - settings.hot_tokens
         if aged <= 0:
             return None
+        if self.store is None:
+            batch, heads, tokens = self.keys.shape[:3]
+            self.lengths = torch.full((batch, heads), tokens, dtype=torch.long)
+            self.warm = torch.full((batch, heads), self.n_warm, dtype=torch.long)
         self.compressible_seen += aged
         self.n_hot = settings.hot_tokens
         target = settings.target(self.compressible_seen, self.seen, self.layer_idx)
@@ -222,10 +212,20 @@ class RaggedCurKVLayer(CurKVLayer):
         self.n_warm = int(self.warm.max())
 
     def _keep(self, kept: torch.Tensor) -> None:
-        """Repack the store with only the ``kept`` (batch, kv_heads, width) local places, no spare rows."""
-        rows = segment_rows(self.store.offsets, kept.shape[-1])[kept.to(self.device)]
+        """Repack the store with only the ``kept`` (batch, kv_heads, width) local places, no spare rows; a dense
+        layer's kept tokens are gathered straight from its tensors (row-major: each segment's in age order)."""
+        mask = kept.to(self.device)
         self.lengths = kept.sum(dim=-1)
-        self._repack(rows)
+        if self.store is not None:
+            self._repack(segment_rows(self.store.offsets, kept.shape[-1])[mask])
+            return
+        offsets, self.capacities = packed_layout(self.lengths, 0)
+        device_lengths = self.lengths.to(self.device)
+        self.store = RaggedKV(self.keys[mask], self.values[mask], offsets.to(self.device), device_lengths,
+                              device_lengths.clone())
+        self.row_positions = self.positions[mask]
+        self.row_scores = None if self.token_scores is None else self.token_scores[mask]
+        self.keys = self.values = self.positions = self.token_scores = None
 
     def _repack(self, rows: torch.Tensor) -> None:
         """Rebuild the store from its ``rows`` (the held tokens, segment by segment, already counted in

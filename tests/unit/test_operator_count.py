@@ -20,22 +20,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from operator_count import OperatorCounter, added_per_layer  # noqa: E402
 
 CONTEXT = 256
-# scoring_batch_tokens -> most operators a layer may add: 0 scores each layer alone (a long prefill),
-# the default groups both tiny layers (a short one)
-PINNED = {0: 158, None: 110}
+# (allocation, scoring_batch_tokens) -> most operators a layer may add: 0 scores each layer alone (a long prefill),
+# the default groups both tiny layers (a short one); joint adds the ragged storage and the choice over both layers
+PINNED = {("per_head", 0): 158, ("per_head", None): 110, ("joint", 0): 191, ("joint", None): 136}
 
 
 def shipped_family_scorer():
     return family_scorer("query_aware", features=["expected_attention", "value_norm"])
 
 
-@pytest.mark.parametrize("batch_tokens", sorted(PINNED, key=str))
-def test_the_operators_a_cache_adds_per_layer_stay_pinned(model, batch_tokens):
-    tiers = TierConfig() if batch_tokens is None else TierConfig(scoring_batch_tokens=batch_tokens)
+@pytest.mark.parametrize("allocation, batch_tokens", sorted(PINNED, key=str))
+def test_the_operators_a_cache_adds_per_layer_stay_pinned(model, allocation, batch_tokens):
+    tiers = TierConfig(allocation=allocation) if batch_tokens is None else TierConfig(
+        allocation=allocation, scoring_batch_tokens=batch_tokens)
     scorer = shipped_family_scorer()
     added = added_per_layer(model, lambda: CurKVCache(scorer, model, keep_ratio=0.5, tiers=tiers, compute=TORCH),
                             CONTEXT)
-    assert 0 < added["operators_per_layer"] <= PINNED[batch_tokens], added
+    assert 0 < added["operators_per_layer"] <= PINNED[allocation, batch_tokens], added
 
 
 def test_the_counter_sees_every_operator():
