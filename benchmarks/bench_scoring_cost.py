@@ -146,7 +146,8 @@ def seconds(run: Callable[[], None]) -> float:
     return clock() - start
 
 
-def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int = SCORING_BATCH_TOKENS) -> dict:
+def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int = SCORING_BATCH_TOKENS,
+            allocation: str | None = None) -> dict:
     """Plain and CurKVCache prefill times and the cache's parts for one context length.
 
     Each of ``repeats`` rounds (after one warm-up round) runs a plain prefill, a CurKVCache prefill
@@ -163,7 +164,7 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
     def cached() -> None:
         with torch.no_grad():
             cache = CurKVCache(scorer, model=model, keep_ratio=0.5,
-                               tiers=TierConfig(scoring_batch_tokens=batch_tokens))
+                               tiers=TierConfig(scoring_batch_tokens=batch_tokens, allocation=allocation))
             model(ids, past_key_values=cache, logits_to_keep=1)
 
     rounds = []
@@ -192,9 +193,9 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
             "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
-def operators_added(model, scorer: Scorer, context: int, batch_tokens: int) -> dict:
+def operators_added(model, scorer: Scorer, context: int, batch_tokens: int, allocation: str | None = None) -> dict:
     """Aten operators and Triton launches per layer that a CurKVCache prefill adds (operator_count.py)."""
-    tiers = TierConfig(scoring_batch_tokens=batch_tokens)
+    tiers = TierConfig(scoring_batch_tokens=batch_tokens, allocation=allocation)
     return added_per_layer(model, lambda: CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=tiers), context)
 
 
@@ -218,6 +219,8 @@ def main() -> None:
                         help="CurKVCache's scoring_batch_tokens: a prefill's layers scored together (0: one at a time)")
     parser.add_argument("--scorer-precision", default="highest", choices=["highest", "medium"],
                         help="the query features' products: float32 (highest) or from bfloat16 operands (medium)")
+    parser.add_argument("--allocation", default=None, choices=["per_head", "joint"],
+                        help="CurKVCache's allocation (default: the one the scorer was trained under)")
     args = parser.parse_args()
     if args.layers is not None and not args.random_weights:
         parser.error("--layers builds a truncated model from the config: pass --random-weights with it")
@@ -239,10 +242,11 @@ def main() -> None:
     print(f"{'context':>8} {'prefill s':>10} {'cache s':>9} {'observe':>8} {'score':>8} {'select':>8} {'overhead':>9}")
     rows = []
     for context in map(int, args.contexts.split(",")):
-        row = {**measure(model, scorer, context, args.repeats, args.scoring_batch_tokens), "compiled": args.compile,
+        row = {**measure(model, scorer, context, args.repeats, args.scoring_batch_tokens, args.allocation),
+               "allocation": args.allocation or scorer.allocation, "compiled": args.compile,
                "scoring_batch_tokens": args.scoring_batch_tokens, "skipped_features": skipped,
                "feature_backend": args.feature_backend}
-        row["operators"] = operators_added(model, scorer, context, args.scoring_batch_tokens)
+        row["operators"] = operators_added(model, scorer, context, args.scoring_batch_tokens, args.allocation)
         rows.append(row)
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
               f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "
