@@ -90,7 +90,8 @@ class Calibration:
 
 def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exponents: FloatList = FloatList([0.5, 1.0, 2.0]),
               floors: FloatList = FloatList([0.2, 0.4, 0.6]), length: int = 2048, prefix: int = 512, chunk: int = 64,
-              per_source: int = 1, base: str | None = None) -> LayerBudget:
+              per_source: int = 1, base: str | None = None, method: str = "curkv", out: str | None = None,
+              context: int = 1024, continuation: int = 128) -> LayerBudget:
     """Measure every layer's sensitivity and write the scorer's layer budget into its scorer.json.
 
     Args:
@@ -105,6 +106,11 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
         chunk: tokens fed per step after the prefix.
         per_source: documents per text or code source of the scorer's recipe.
         base: the base model (default: the one the scorer records).
+        method: ``curkv`` (the scorer, written into its scorer.json) or a training-free rule (snapkv,
+            expected_attention, ... : :mod:`curkv_train.eval.rule_budget`), calibrated on the scorer's base and
+            training blocks as the evaluation runs it (one prefill of ``context`` tokens, ``continuation`` scored),
+            written to ``out``.
+        out: the JSON file a rule's budget is written to (``--rule_budgets RULE=FILE`` in ``curkv-train eval``).
 
     Returns:
         The budget written.
@@ -121,6 +127,16 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
     else:
         model, tokenizer = load_base_model(base), load_tokenizer(base)
         loaded = load_scorer(folder, model=model)
+    if method != "curkv":
+        if out is None:
+            raise CurKVError(f"calibrating {method!r} writes its budget to a file: pass --out FILE")
+        from curkv_train.eval.rule_budget import calibrate_rule
+
+        documents = calibration_documents(tokenizer, DataRecipe.of_scorer(loaded.metadata),
+                                          length=context + continuation, per_source=per_source)
+        return calibrate_rule(model, method, documents, Path(out), context=context, keep_ratio=keep_ratio,
+                              probe_keep=probe_keep, exponents=list(exponents), floors=list(floors),
+                              n_sink=loaded.n_sink, window=loaded.window, say=_say)
     documents = calibration_documents(tokenizer, DataRecipe.of_scorer(loaded.metadata), length=length,
                                       per_source=per_source)
     calibration = Calibration(model, loaded, documents, prefix=prefix, chunk=chunk)

@@ -19,6 +19,8 @@ from curkv_train.core.errors import CurKVError
 from curkv_train.core.shapes import text_config
 from curkv_train.eval.allocated import ALLOCATED_RULES, RAGGED, SAME, AllocatedRows, one_prefill
 from curkv_train.eval.harness import EvalSettings, evaluate
+from curkv_train.eval.kvpress_bridge import baseline_method
+from curkv_train.eval.rule_budget import OWN, load_rule_budgets
 from curkv_train.eval.heldout import STREAM_TASKS, load_stream_documents, training_hashes
 from curkv_train.eval.lists import FloatList, IntList, NameList
 from curkv_train.eval.methods import BASELINES, CURKV, CURKV_CACHE, CURKV_UNIFORM, FULL, SCORER_METHODS
@@ -98,6 +100,8 @@ class EvalConfig:
             the prefill once under its joint allocation (ragged heads); the summary then is about ``curkv_ragged``,
             and a second one sets it against these rows alone. Default: all of them for a scorer trained under the
             joint allocation, none for another; ``none``: none.
+        rule_budgets: prefill tasks: ``RULE=FILE`` entries (``curkv-train calibrate --method RULE --out FILE``): the
+            baseline RULE also runs at its own calibrated layer budget, row ``RULE@own``.
         scorer_precision: every scorer's query-feature products: ``highest`` (float32, as trained) or ``medium``
             (bfloat16 operands, faster on CPUs with bf16 instructions; docs/runtime.md).
     """
@@ -132,6 +136,7 @@ class EvalConfig:
     budget_bytes: IntList | None = None
     budget_baselines: bool = False
     same_allocation: NameList | None = None
+    rule_budgets: str | None = None
     scorer_precision: Literal["highest", "medium"] = "highest"
 
 
@@ -140,6 +145,7 @@ def run_eval(config: EvalConfig) -> Path:
     tasks = check_tasks(list(config.tasks), valid=ALL_TASKS)
     prefill_tasks, streaming_tasks = [task for task in tasks if task in TASKS], [t for t in tasks if t in STREAM_TASKS]
     entries = parse_scorers(config.scorer)
+    rule_budgets = load_rule_budgets(config.rule_budgets)  # a bad file fails before the model loads
     main = entries[0] if entries else None
     trained = load_trained(entries)
     base, fallback = _resolve_base(config.scorer, config.base, trained, main)
@@ -174,6 +180,8 @@ def run_eval(config: EvalConfig) -> Path:
                                           passkey_lengths=lengths)
                      for task in prefill_tasks}
     presses, cache_methods, ours, not_baselines = _prefill_methods(names, entries, scorers, main, spans, budget)
+    presses.update({rule + OWN: baseline_method(rule, n_sink=spans[0], window=spans[1], layer_budget=budget)
+                    for rule, budget in rule_budgets.items()})
     allocated = _allocated_rows(config, scorers[main.method] if main else None, spans)
     if allocated is not None:
         ours, not_baselines = RAGGED, (*not_baselines, main.method)

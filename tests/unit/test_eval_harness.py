@@ -276,3 +276,22 @@ def test_every_scorer_of_a_run_scores_with_the_precision_asked():
     scorers = build_scorers(entries, {}, load_base_model(TINY_RANDOM), TINY_RANDOM, spans=(4, 16),
                             matmul_precision="medium")
     assert [(scorer.matmul_precision, scorer.window) for scorer in scorers.values()] == [("medium", 16)] * 2
+
+
+def test_a_rule_runs_at_its_own_calibrated_budget(tmp_path, capsys):
+    """``--rule_budgets knorm=FILE`` adds ``knorm@own``, knorm's press at that split (other per-layer counts, the
+    same mean); a file of another rule is a one-line error before anything runs."""
+    from curkv_train.runtime.allocation import LayerBudget
+
+    scorer = export_scorer(tmp_path / "scorer")
+    budget = tmp_path / "knorm.json"
+    budget.write_text(json.dumps({**LayerBudget((0.1, 4.0), 1.0).record(), "method": "knorm"}))
+    args = ["--scorer", str(scorer), "--tasks", "ppl_text", "--methods", "full,knorm", "--ratios", "0.5", *SMALL]
+    code, err = run_cli([*args, "--rule_budgets", f"knorm={budget}", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    rows = {row["method"]: row["metrics"] for row in json.loads((tmp_path / "run" / "results.json").read_text())["rows"]}
+    assert {"knorm", "knorm@own"} <= set(rows)
+    assert rows["knorm@own"]["kept_tokens"] == pytest.approx(rows["knorm"]["kept_tokens"], abs=1)
+    assert rows["knorm@own"]["ppl"] != rows["knorm"]["ppl"]
+    code, err = run_cli([*args, "--rule_budgets", f"snapkv={budget}", "--out", str(tmp_path / "run2")], capsys)
+    assert code == 2 and "not 'snapkv'" in err and err.count("\n") == 1
