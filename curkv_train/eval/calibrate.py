@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,23 +26,11 @@ from curkv_train.eval.lists import FloatList
 from curkv_train.eval.streaming import stream_document
 from curkv_train.eval.tasks import DataRecipe
 from curkv_train.models.base import load_base_model, load_tokenizer
-from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.runtime.allocation import LayerBudget, ProbeBudget
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.cache_config import TierConfig
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import CONFIG_FILE, load_base_for, load_scorer, resolve_scorer_dir
-
-
-@dataclass(frozen=True)
-class ProbeBudget(LayerBudget):
-    """A layer budget that compresses one layer (``layer``, to ``keep``) and keeps every other whole."""
-
-    layer: int = 0
-    keep: float = 0.3
-
-    def ratios(self, ratio: float) -> tuple[float, ...]:
-        """1.0 for every layer but ``layer``, whatever the mean ratio asked for."""
-        return tuple(self.keep if index == self.layer else 1.0 for index in range(self.num_layers))
 
 
 def calibration_documents(tokenizer, recipe: DataRecipe, *, length: int, per_source: int) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from curkv_train.core.errors import CurKVError
 from curkv_train.eval import kvpress_bridge
 from curkv_train.eval.compressed import continuation_logits
 from curkv_train.eval.metrics import token_nll
-from curkv_train.runtime.allocation import LayerBudget
+from curkv_train.runtime.allocation import LayerBudget, ProbeBudget
 from curkv_train.runtime.attention import install_runtime_attention
 
 OWN = "@own"
@@ -62,7 +62,6 @@ def calibrate_rule(model: PreTrainedModel, rule: str, documents: list[torch.Tens
                    keep_ratio: float, probe_keep: float, exponents: list[float], floors: list[float], n_sink: int,
                    window: int, say) -> LayerBudget:
     """Measure ``rule``'s per-layer sensitivity on ``documents`` (1, tokens) and write its best budget to ``out``."""
-    from curkv_train.eval.calibrate import ProbeBudget  # the scorer's calibration: its probe, not its loop
 
     if rule not in kvpress_bridge.BASELINE_PRESSES:
         raise CurKVError(f"unknown rule {rule!r}; expected one of {', '.join(kvpress_bridge.BASELINE_PRESSES)}")

@@ -105,3 +105,15 @@ def resolve_layer_budget(choice: str | LayerBudget, scorer) -> LayerBudget | Non
         raise CurKVError(f"the layer budget covers {budget.num_layers} layers, the model has "
                          f"{scorer.estimator.num_layers}")
     return budget
+
+
+@dataclass(frozen=True)
+class ProbeBudget(LayerBudget):
+    """A layer budget that compresses one layer (``layer``, to ``keep``) and keeps every other whole."""
+
+    layer: int = 0
+    keep: float = 0.3
+
+    def ratios(self, ratio: float) -> tuple[float, ...]:
+        """1.0 for every layer but ``layer``, whatever the mean ratio asked for."""
+        return tuple(self.keep if index == self.layer else 1.0 for index in range(self.num_layers))
