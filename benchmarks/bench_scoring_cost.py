@@ -51,7 +51,7 @@ def instrumented() -> Iterator[None]:
     """Time observation, scoring and eviction inside CurKVCache while in the block (this process only)."""
     targets = [(CurKVLayer, "observe_queries", "observe"), (CurKVLayer, "observe_hidden", "observe"),
                (CurKVLayer, "_evict", "evict"), (CurKVCache, "_score", "score"),
-               (CurKVCache, "_score_layers", "group_score")]
+               (CurKVCache, "_score_layers", "group_score"), (CurKVCache, "compress_jointly", "joint")]
     originals = [getattr(owner, name) for owner, name, _ in targets]
     for owner, name, timer in targets:
         setattr(owner, name, timed(timer, getattr(owner, name)))
@@ -174,9 +174,11 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
         FAULTS.clear()
         with instrumented():  # apart: the timers wait for the GPU, which an uninstrumented prefill overlaps
             cached()
-        # a layer scored alone is scored inside its eviction; a group of layers, before theirs
+        # a layer scored alone is scored inside its eviction; a group of layers, before theirs; under the joint
+        # allocation a prefill's first compression scores every group inside compress_jointly, then selects
+        joint_select = TIMERS["joint"] - TIMERS["group_score"] if TIMERS["joint"] else 0.0
         parts = {"observe": TIMERS["observe"], "score": TIMERS["score"] + TIMERS["group_score"],
-                 "select": TIMERS["evict"] - TIMERS["score"]}
+                 "select": TIMERS["evict"] - TIMERS["score"] + joint_select}
         rounds.append({"plain": plain_s, "cached": cached_s, **parts,
                        "score_faults": FAULTS["score"] + FAULTS["group_score"]})
     rounds = rounds[1:]  # the warm-up round

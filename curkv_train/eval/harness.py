@@ -184,10 +184,12 @@ def evaluate(model: PreTrainedModel, examples: dict[str, list[TaskExample]],
               if all(example.group for example in task_examples) else None
               for task, task_examples in examples.items()}
     rows = result_rows(log, tags, main_metric, kinds, settings.bootstrap, FULL, groups)
-    summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL, exclude=not_baselines)
+    borrowed = {row["method"] for row in rows if row["method"].startswith(SAME)}  # the scorer's allocation: no system
+    summary = summarize(rows, main_metric, kinds, settings.bootstrap, ours=ours, reference=FULL,
+                        exclude=set(not_baselines) | borrowed)
     same = [] if allocated is None else summarize(
         rows, main_metric, kinds, settings.bootstrap, ours=RAGGED, reference=FULL,
-        exclude={row["method"] for row in rows if not row["method"].startswith(SAME)})
+        exclude={row["method"] for row in rows} - borrowed)
     return {"rows": rows, "summary": summary, "summary_same_allocation": same, "main_metric": main_metric, "seconds_per_example": seconds,
             "bootstrap": settings.bootstrap.record(),
             "documents": {task: [list(example.documents) for example in task_examples]

@@ -89,8 +89,13 @@ def curkv_summary(results: dict, key: str = "summary") -> list[str]:
     if not entries:
         return []
     ours = entries[0].get("method", CURKV)
-    title = ("against the best rule at its own allocation (same tokens in every layer and KV head)"
-             if key == SAME_ALLOCATION else "against the best baseline")
+    same = key == SAME_ALLOCATION
+    title = ("against the rules at its allocation (the same tokens in every layer and KV head)" if same
+             else "against the best baseline, system against system")
+    candidates = ("The candidates are the `same:<rule>` rows: each rule choosing the tokens within the scorer's "
+                  "per-(layer, KV head) counts" if same else
+                  "Every compressing row but the scorers' own and the `same:<rule>` rows (which borrow the scorer's "
+                  "allocation) is a candidate baseline")
     lines = [f"## Summary: {ours} {title}", "",
              f"| task | metric | ratio | {ours} | best baseline | {ours} − best | verdict |",
              "|---|---|---|---|---|---|---|"]
@@ -104,7 +109,7 @@ def curkv_summary(results: dict, key: str = "summary") -> list[str]:
                      f"| {entry['baseline']} {_cell(entry['baseline_value'], name, entry.get('baseline_interval'))} "
                      f"| {delta} | {entry['verdict']} |")
     bootstrap = results.get("bootstrap", {})
-    return lines + ["", "Every compressing row but the scorers' own is a candidate baseline; the best is the best "
+    return lines + ["", f"{candidates}; the best is the best "
                     f"point estimate. \"wins\" / \"loses\": the paired {100 * bootstrap.get('confidence', 0.95):g} % "
                     "bootstrap interval "
                     f"of {ours} − best (the same examples resampled for both, {bootstrap.get('resamples', '?')} "

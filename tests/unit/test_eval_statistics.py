@@ -161,7 +161,7 @@ def test_report_shows_intervals_and_the_summary_first(noisy_nll):
                           ("snapkv", 0.5, "ppl_text"): ppl_sums(noisy_nll + 0.10),
                           ("curkv", 0.5, "ppl_text"): ppl_sums(noisy_nll + 0.04)})
     summary = curkv_summary(results)
-    assert summary[0] == "## Summary: curkv against the best baseline"
+    assert summary[0] == "## Summary: curkv against the best baseline, system against system"
     assert "| ppl_text | ppl_increase_pct (lower is better) | 0.5 |" in summary[4] and summary[4].endswith("| wins |")
     markdown = results_markdown(results, {"kvpress_budget": "matched"})
     assert markdown.index("## Summary") < markdown.index("## ppl_text") < markdown.index("**kept_tokens**")
