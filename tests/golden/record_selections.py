@@ -1,4 +1,4 @@
-"""Record what every shipped scorer keeps on one held-out prefill: the golden file the selection test reads.
+"""Record what every shipped SmolLM2 scorer keeps on one held-out prefill: the golden file the selection test reads.
 
 Run from a checkout whose selections are the reference (``python tests/golden/record_selections.py``);
 ``tests/integration/test_selection_golden.py`` replays the same prefill and compares. The file holds the
@@ -16,6 +16,7 @@ import torch
 
 GOLDEN = Path(__file__).with_name("selections.json")
 BASE = "embedded:smollm2-135m-instruct"
+BASE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub id a SmolLM2 scorer records
 KEEP_RATIO = 0.5
 TOKENS = 512
 
@@ -51,6 +52,8 @@ def main() -> None:
 
     checkpoints = Path(__file__).resolve().parents[2] / "checkpoints"
     for folder in sorted(p for p in checkpoints.iterdir() if (p / "scorer.json").is_file()):
+        if json.loads((folder / "scorer.json").read_text())["base_model"]["id"] != BASE_ID:
+            continue  # another base's scorer (Gemma 3): this prefill is SmolLM2's
         record["scorers"][folder.name] = selections(model, folder, torch.tensor([ids]), KEEP_RATIO)
         print(folder.name, file=sys.stderr)
     GOLDEN.write_text(json.dumps(record) + "\n")
