@@ -29,6 +29,7 @@ from curkv_train.models.base import load_base_model, load_tokenizer
 from curkv_train.runtime.allocation import LayerBudget, ProbeBudget
 from curkv_train.runtime.cache import CurKVCache
 from curkv_train.runtime.cache_config import TierConfig
+from curkv_train.runtime.hybrid import sliding_layers
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import CONFIG_FILE, load_base_for, load_scorer, resolve_scorer_dir
 
@@ -114,6 +115,9 @@ def calibrate(scorer: str, keep_ratio: float = 0.5, probe_keep: float = 0.3, exp
     else:
         model, tokenizer = load_base_model(base), load_tokenizer(base)
         loaded = load_scorer(folder, model=model)
+    if sliding_layers(model):
+        raise CurKVError("calibrate measures a per-layer budget, which a hybrid model (sliding-window layers) does not "
+                         "take: its scorer's joint allocation shares the full-attention layers' tokens by score")
     if method != "curkv":
         if out is None:
             raise CurKVError(f"calibrating {method!r} writes its budget to a file: pass --out FILE")

@@ -196,13 +196,15 @@ def press_cache(model: PreTrainedModel, spec: PressSpec, press: BasePress, conte
                 seed: int) -> tuple[DynamicCache, float]:
     """Prefill ``context_ids`` (1, tokens) under ``press`` (run as ``spec`` says): the cache it leaves, and the
     prefill's wall time in seconds (the press's hooks and scores included)."""
+    from curkv_train.eval.kvpress_hybrid import on_full_layers
+
     cache = DynamicCache(config=model.config)
     torch.manual_seed(seed)  # presses that sketch or sample draw from the global generator
     if isinstance(press, _kvpress().PerLayerCompressionPress):
         press.press.post_init_from_model(model)  # kvpress calls the wrapper's own (a no-op), not its press's
     with _eager(model, spec.eager):
         started = clock()
-        with press(model):
+        with on_full_layers(model, press), press(model):  # a hybrid model's sliding-window layers left whole
             model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True)
         return cache, clock() - started
 

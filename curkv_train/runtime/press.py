@@ -113,7 +113,7 @@ class CurKVPress(ScorerPress):
         """kvpress's ``with press(model):`` (its hooks, and :meth:`post_init_from_model`), with the runtime's attention
         wrapper held inside it under a layer budget; on exit, also after an exception, the model is as it was but
         for the wrapper the caches the press compressed hold (:meth:`hold_wrapper_for`)."""
-        rotary = {module: module._modules.get("rotary_emb", _ABSENT) for module in attention_modules(model)}
+        rotary = snapshot_rotary(model)
         try:
             with super().__call__(model), self.wrapper_hold(model):
                 yield
@@ -186,6 +186,12 @@ class CurKVPress(ScorerPress):
         kept = scores.topk(max(1, int(keys.shape[2] * keep)), dim=-1).indices
         kept = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         return keys.gather(2, kept).contiguous(), values.gather(2, kept).contiguous()
+
+
+def snapshot_rotary(model: PreTrainedModel) -> dict[nn.Module, object]:
+    """Each attention module of ``model`` -> its ``rotary_emb`` submodule, or a marker where it has none (what
+    :func:`restore_rotary` gives back after kvpress's ``with press(model):``)."""
+    return {module: module._modules.get("rotary_emb", _ABSENT) for module in attention_modules(model)}
 
 
 def restore_rotary(before: dict[nn.Module, object]) -> None:

@@ -40,3 +40,16 @@ def test_calibrate_refuses_bad_settings(folder):
         calibrate(str(folder), probe_keep=1.0)
     with pytest.raises(CurKVError, match=r"floors in \(0, 1\]"):
         calibrate(str(folder), floors=[0.0])
+
+
+def test_calibrate_refuses_a_hybrid_model_in_one_line(tmp_path):
+    from curkv_train.core.shapes import kv_shape
+    from curkv_train.models.base import TINY_RANDOM_GEMMA3, load_base_model
+    from curkv_train.models.families import build_estimator
+    from curkv_train.runtime import Scorer
+
+    estimator = build_estimator("seed", kv_shape(load_base_model(TINY_RANDOM_GEMMA3).config))
+    folder = save_scorer(Scorer(estimator, n_sink=4, window=16), tmp_path / "gemma", base_model=TINY_RANDOM_GEMMA3)
+    with pytest.raises(CurKVError, match="hybrid model") as error:
+        calibrate(str(folder))
+    assert "\n" not in str(error.value)

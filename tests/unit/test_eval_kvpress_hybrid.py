@@ -1,0 +1,41 @@
+"""kvpress's presses on a hybrid model (tiny random Gemma 3): only the full-attention layers pressed, the
+sliding-window ones as a plain prefill leaves them, and the model as it was afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+pytest.importorskip("kvpress")
+
+from curkv_train.core.observation import attention_modules  # noqa: E402
+from curkv_train.eval import kvpress_bridge  # noqa: E402
+from runtime_helpers import prompt  # noqa: E402
+from test_runtime_hybrid import SLIDING_WINDOW, tiny_gemma3  # noqa: E402
+
+TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_gemma3()
+
+
+@pytest.mark.parametrize("rule", ["snapkv", "expected_attention", "pyramidkv"])
+def test_a_kvpress_rule_presses_only_the_full_layers_of_a_hybrid_model(gemma, rule):
+    press = kvpress_bridge.make_press(rule, 0.5, n_sink=4, window=8, seed=0)
+    rotary = [module._modules.get("rotary_emb") for module in attention_modules(gemma)]
+    decoder_rotary = gemma.model.rotary_emb
+    ids = prompt(TOKENS)
+    cache, _ = kvpress_bridge.press_cache(gemma, kvpress_bridge.PRESSES[rule], press, ids, seed=0)
+    plain = DynamicCache(config=gemma.config)
+    with torch.no_grad():
+        gemma.model(input_ids=ids, past_key_values=plain, use_cache=True)
+    held = [layer.keys.shape[2] for layer in cache.layers]
+    assert held[0] == held[2] == SLIDING_WINDOW - 1
+    assert all(held[index] < TOKENS for index in (1, 3))  # pressed
+    for index in (0, 2):
+        assert torch.equal(cache.layers[index].keys, plain.layers[index].keys)
+    assert [module._modules.get("rotary_emb") for module in attention_modules(gemma)] == rotary
+    assert gemma.model.rotary_emb is decoder_rotary and "forward_hook" not in vars(press)
