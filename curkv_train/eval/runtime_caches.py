@@ -39,6 +39,11 @@ class RecencyCache(CurKVCache):
         """(batch, kv_heads, tokens) float32 positions of the held tokens: newer = higher."""
         return positions.float()
 
+    def _score_layers(self, layers: list) -> list[torch.Tensor]:
+        """Per layer (batch, kv_heads, tokens) float32 positions: a group's scores, and a joint allocation's first
+        compression, which score every held token of dense layers together."""
+        return [layer.positions.float().expand(*layer.keys.shape[:3]) for layer in layers]
+
     def bytes_per_token(self) -> int:
         """Bytes one dense token costs (no stored per-token score without ``observe``)."""
         if self.observe or not self.scorer.scores_on_arrival:

@@ -36,7 +36,7 @@ from curkv_train.eval.stream_rows import (
     stream_methods,
 )
 from curkv_train.eval.streaming import StreamTrace, evaluate_streaming, segment_sums, stream_document
-from curkv_train.runtime import ComputeConfig, CurKVCache
+from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig
 
 WINDOW, N_SINK, PREFIX = 16, 4, 120
 
@@ -140,6 +140,18 @@ def test_recency_cache_keeps_the_sinks_and_the_newest_tokens(model, scorer):
         model(tokens(300), past_key_values=cache)
     held = cache.layers[0].positions[0, 0].long().tolist()
     assert held == list(range(N_SINK)) + list(range(300 - len(held) + N_SINK, 300))
+
+
+@pytest.mark.parametrize("allocation", ["per_head", "joint"])
+def test_recency_cache_without_observation_streams_under_either_allocation(model, allocation):
+    """StreamingLLM's row for a query_aware scorer: no observation held, and no scorer call that would need one."""
+    scorer = family_scorer("query_aware", n_sink=N_SINK, window=WINDOW)
+    cache = RecencyCache(scorer, model=model, keep_ratio=0.5, observe=False, tiers=TierConfig(allocation=allocation))
+    stream_document(model, cache, tokens(300, seed=4), PREFIX, WINDOW)
+    for layer in cache.compressed_layers:
+        held = (layer.positions[0, 0] if allocation == "per_head" else layer.row_positions[:layer.held_tokens])
+        held = sorted(held.long().tolist())
+        assert held == list(range(N_SINK)) + list(range(299 - len(held) + N_SINK, 299))
 
 
 def test_chunk_token_by_token_equals_a_window_per_chunk(model, scorer):
