@@ -3,8 +3,12 @@ positions (what the causal mask is built from) from the kept length."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from curkv_train.runtime.hybrid import sliding_layers
 
 
 def cache_from_layers(model: PreTrainedModel, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
@@ -20,6 +24,8 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
                         context_length: int) -> torch.Tensor:
     """Logits (batch, M, vocab) float32 of ``continuation_ids`` (batch, M) after a (compressed) context; ``cache`` is
     extended in place by the continuation (build a fresh one per run)."""
+    if sliding_layers(model):
+        return _token_by_token(model, cache, continuation_ids, context_length)
     held = cache.get_seq_length()
     count = continuation_ids.shape[1]
     device = continuation_ids.device
@@ -33,11 +39,28 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
     return output.logits.float()
 
 
+def _token_by_token(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor,
+                    context_length: int) -> torch.Tensor:
+    """:func:`continuation_logits` on a hybrid model, one token per forward. Its sliding-window layers have seen the
+    whole context and its pressed full-attention layers hold fewer tokens: one cache position cannot build both
+    masks for several queries (the full layers' would let a query see the tokens after it), while a single query
+    sees every held token of a full layer and the sliding mask wants the position seen."""
+    parts = []
+    for index in range(continuation_ids.shape[1]):
+        position = torch.tensor([context_length + index], device=continuation_ids.device)
+        output = model(input_ids=continuation_ids[:, index:index + 1], past_key_values=cache, use_cache=True,
+                       position_ids=position[None], cache_position=position)
+        parts.append(output.logits.float())
+    return torch.cat(parts, dim=1)
+
+
 @torch.no_grad()
 def batched_continuation_logits(model: PreTrainedModel, caches: list[DynamicCache], continuation_ids: torch.Tensor,
                                 context_length: int, max_batch: int = 8) -> list[torch.Tensor]:
     """Per cache of ``caches`` (batch 1, left unmodified), the (1, M, vocab) float32 logits of ``continuation_ids``
     (1, M) after it; caches of equal lengths in every layer run as one batch of at most ``max_batch``."""
+    if sliding_layers(model):  # a rebuilt cache would lose what its sliding layers have seen: each on its own
+        return [continuation_logits(model, copy.deepcopy(cache), continuation_ids, context_length) for cache in caches]
     logits: list[torch.Tensor | None] = [None] * len(caches)
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, cache in enumerate(caches):

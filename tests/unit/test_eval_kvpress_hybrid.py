@@ -39,3 +39,24 @@ def test_a_kvpress_rule_presses_only_the_full_layers_of_a_hybrid_model(gemma, ru
         assert torch.equal(cache.layers[index].keys, plain.layers[index].keys)
     assert [module._modules.get("rotary_emb") for module in attention_modules(gemma)] == rotary
     assert gemma.model.rotary_emb is decoder_rotary and "forward_hook" not in vars(press)
+
+
+def test_a_pressed_hybrid_cache_continues_causally(gemma):
+    """Its full layers hold fewer tokens than its sliding ones have seen: no continuation token may see a later one,
+    and the whole cache continues as one forward over context and continuation does."""
+    from curkv_train.eval.compressed import batched_continuation_logits
+
+    ids = prompt(TOKENS + 16)
+    context, continuation = ids[:, :TOKENS], ids[:, TOKENS:]
+    changed = continuation.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % gemma.config.vocab_size
+    press = kvpress_bridge.make_press("snapkv", 0.7, n_sink=4, window=8, seed=0)
+    logits = [batched_continuation_logits(gemma, [kvpress_bridge.press_cache(
+        gemma, kvpress_bridge.PRESSES["snapkv"], press, context, seed=0)[0]], tokens, TOKENS)[0]
+        for tokens in (continuation, changed)]
+    assert torch.equal(logits[0][:, :-1], logits[1][:, :-1])
+    full = DynamicCache(config=gemma.config)
+    with torch.no_grad():
+        gemma.model(input_ids=context, past_key_values=full, use_cache=True)
+        whole = gemma(ids).logits[:, TOKENS:].float()
+    assert torch.allclose(batched_continuation_logits(gemma, [full], continuation, TOKENS)[0], whole, atol=1e-4)
