@@ -24,7 +24,7 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
                         context_length: int) -> torch.Tensor:
     """Logits (batch, M, vocab) float32 of ``continuation_ids`` (batch, M) after a (compressed) context; ``cache`` is
     extended in place by the continuation (build a fresh one per run)."""
-    if sliding_layers(model):
+    if _full_layers_pressed(model, cache, context_length):
         return _token_by_token(model, cache, continuation_ids, context_length)
     held = cache.get_seq_length()
     count = continuation_ids.shape[1]
@@ -37,6 +37,13 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
         cache_position=torch.arange(held, held + count, device=device),
     )
     return output.logits.float()
+
+
+def _full_layers_pressed(model: PreTrainedModel, cache: DynamicCache, context_length: int) -> bool:
+    """Whether ``model`` is hybrid and a full-attention layer of ``cache`` holds fewer than the context's tokens."""
+    sliding = set(sliding_layers(model))
+    return bool(sliding) and any(layer.keys.shape[-2] < context_length for index, layer in enumerate(cache.layers)
+                                 if index not in sliding)
 
 
 def _token_by_token(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor,

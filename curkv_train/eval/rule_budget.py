@@ -62,7 +62,6 @@ def calibrate_rule(model: PreTrainedModel, rule: str, documents: list[torch.Tens
                    keep_ratio: float, probe_keep: float, exponents: list[float], floors: list[float], n_sink: int,
                    window: int, say) -> LayerBudget:
     """Measure ``rule``'s per-layer sensitivity on ``documents`` (1, tokens) and write its best budget to ``out``."""
-
     if rule not in kvpress_bridge.BASELINE_PRESSES:
         raise CurKVError(f"unknown rule {rule!r}; expected one of {', '.join(kvpress_bridge.BASELINE_PRESSES)}")
     layers = model.config.num_hidden_layers
