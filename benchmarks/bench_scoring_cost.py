@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
        [--random-weights] [--layers N] [--compile] [--skip-features NAMES] [--feature-backend auto]
-       [--scorer-precision highest] [--scoring-batch-tokens 4096]
+       [--scorer-precision highest] [--scoring-batch-tokens N]
 
 Both prefills compute the last token's logits only, as ``generate`` does. For each context length it prints the
 median plain prefill and what the cache (keep 0.5, dense tiers) adds, as shares of it: observing (the hooks'
@@ -40,7 +40,6 @@ from curkv_train.models.base import freeze, load_base_model
 from curkv_train.models.configs import load_model_config
 from curkv_train.models.families import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, TierConfig, load_scorer
-from curkv_train.runtime.cache_config import SCORING_BATCH_TOKENS
 from curkv_train.runtime.layer import CurKVLayer
 from operator_count import added_per_layer  # beside this script
 from timing import FAULTS, TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
@@ -146,12 +145,12 @@ def seconds(run: Callable[[], None]) -> float:
     return clock() - start
 
 
-def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int = SCORING_BATCH_TOKENS,
+def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int | None = None,
             allocation: str | None = None) -> dict:
     """Plain and CurKVCache prefill times and the cache's parts for one context length.
 
     Each of ``repeats`` rounds (after one warm-up round) runs a plain prefill, a CurKVCache prefill
-    (``batch_tokens``: its ``scoring_batch_tokens``) and an instrumented one back to back, so drifts of a shared
+    (``batch_tokens``: its ``scoring_batch_tokens``, None: its allocation's default) and an instrumented one back to back, so drifts of a shared
     machine hit all three alike; medians over rounds.
     """
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
@@ -195,7 +194,7 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
             "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
-def operators_added(model, scorer: Scorer, context: int, batch_tokens: int, allocation: str | None = None) -> dict:
+def operators_added(model, scorer: Scorer, context: int, batch_tokens: int | None, allocation: str | None = None) -> dict:
     """Aten operators and Triton launches per layer that a CurKVCache prefill adds (operator_count.py)."""
     tiers = TierConfig(scoring_batch_tokens=batch_tokens, allocation=allocation)
     return added_per_layer(model, lambda: CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=tiers), context)
@@ -217,8 +216,9 @@ def main() -> None:
                         "timed as constants (what scoring would cost without them)")
     parser.add_argument("--feature-backend", default="auto", choices=["auto", "torch", "triton"],
                         help="who computes the query features' attention-sized parts (auto: Triton on CUDA, eager)")
-    parser.add_argument("--scoring-batch-tokens", type=int, default=SCORING_BATCH_TOKENS,
-                        help="CurKVCache's scoring_batch_tokens: a prefill's layers scored together (0: one at a time)")
+    parser.add_argument("--scoring-batch-tokens", type=int, default=None,
+                        help="CurKVCache's scoring_batch_tokens: a prefill's layers scored together (0: one at a time; "
+                        "default: the allocation's, 4096 per_head, 131072 joint)")
     parser.add_argument("--scorer-precision", default="highest", choices=["highest", "medium"],
                         help="the query features' products: float32 (highest) or from bfloat16 operands (medium)")
     parser.add_argument("--allocation", default=None, choices=["per_head", "joint"],

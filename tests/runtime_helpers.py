@@ -20,15 +20,15 @@ def random_scorer(n_sink: int = 4, window: int = 16, bias: float | None = None) 
     return Scorer(estimator, n_sink=n_sink, window=window)
 
 
-def family_scorer(family: str, key_view: str = "pre_rope", n_sink: int = 4, window: int = 16,
+def family_scorer(family: str, key_view: str = "pre_rope", n_sink: int = 4, window: int = 16, num_layers: int = 2,
                   **options) -> Scorer:
-    """A scorer of ``family`` for the tiny Llama whose every term is random (no term is silently zero);
-    ``options``: the family's other constructor arguments."""
+    """A scorer of ``family`` for the tiny Llama (``num_layers`` deep) whose every term is random (no term is
+    silently zero); ``options``: the family's other constructor arguments."""
     from curkv_train.core.shapes import KVShape
     from curkv_train.models.families import build_estimator
 
     torch.manual_seed(1)
-    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, num_attention_heads=4, max_positions=2048,
+    shape = KVShape(num_layers=num_layers, num_kv_heads=2, head_dim=16, num_attention_heads=4, max_positions=2048,
                     hidden_size=64)
     options = {"observation_window": 8, **options} if family == "query_aware" else options
     estimator = build_estimator(family, shape, **options)

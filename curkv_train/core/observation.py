@@ -27,6 +27,12 @@ def query_outer_products(queries: torch.Tensor) -> torch.Tensor:
     return torch.bmm(per_head.transpose(1, 2), per_head).view(batch, heads, head_dim * head_dim)
 
 
+def detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` cut from autograd: itself where it needs no gradient (a ``detach`` is an operator, a launch on a
+    GPU, and the runtime records a layer's queries under ``no_grad``)."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
 @functools.cache
 def packing(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """How a symmetric (head_dim, head_dim) matrix packs as its upper triangle: the flat square index of
@@ -76,7 +82,7 @@ class QueryStatistics:
 
     def update(self, queries: torch.Tensor) -> None:
         """Add queries (batch, heads, tokens, head_dim)."""
-        queries = queries.detach().float()
+        queries = detached(queries).float()
         triangle, self.square = packing(queries.shape[-1], queries.device)
         total, outer = queries.sum(dim=2), query_outer_products(queries)[..., triangle]
         self.total = total if self.total is None else self.total + total

@@ -5,8 +5,8 @@ that copy is a large share of a CPU decode step. :class:`AppendBuffer` keeps a t
 room along its token dimension: an append writes into the room, and only when it runs out is
 the tensor copied once into a larger one, with room for ``headroom`` tokens counted from the
 append that needed it (or for that append alone, if it is longer). A tensor
-assigned whole (a prefill, a compression) is held at its exact size; the room is only added by
-the first append that needs it. The headroom is allocated memory, so it is counted as held
+assigned whole (a compression) or appended to an empty buffer (a prefill) is held at its exact size,
+contiguous (a copy only where it is not); the room is only added by the first append that needs it. The headroom is allocated memory, so it is counted as held
 (:meth:`AppendBuffer.nbytes`).
 """
 
@@ -50,6 +50,10 @@ class AppendBuffer:
         """Add ``new`` (same shape but along ``dim``) after the content; copies it all only when full, then with
         room for ``headroom`` tokens (default: the buffer's) counted from this append."""
         count = new.shape[self.dim]
+        if self.data.shape[self.dim] == 0:  # a first append (a prefill) is held at its exact size: one copy at most
+            self.data = self._content = new.contiguous()  # contiguous, as every later content (one compiled graph)
+            self.length = count
+            return
         if self.length + count > self.data.shape[self.dim]:
             room = self.headroom if headroom is None else headroom
             self.data = self._allocate(self.view, self.length + max(count, room))

@@ -68,12 +68,12 @@ from curkv_train.core.selection import ADAPTIVE, check_keep_ratio
 from curkv_train.core.shapes import kv_shape, text_config
 from curkv_train.runtime.allocation import LayerBudget, resolve_layer_budget
 from curkv_train.runtime.attention import install_runtime_attention
-from curkv_train.runtime.cache_config import ComputeConfig, TierConfig, check_whole
+from curkv_train.runtime.cache_config import ComputeConfig, TierConfig, check_whole, default_scoring_batch_tokens
 from curkv_train.runtime.hybrid import SlidingWindowLayer, sliding_layers, sliding_window_of
 from curkv_train.runtime.joint import across_layers
 from curkv_train.runtime.layer import CurKVLayer
 from curkv_train.runtime.observer import ObservationBuffer
-from curkv_train.runtime.ragged_layer import RaggedCurKVLayer
+from curkv_train.runtime.ragged_layer import RaggedCurKVLayer, keep_jointly
 from curkv_train.runtime.scorer import Scorer
 from curkv_train.runtime.serialization import check_scorer_fits, load_scorer
 from curkv_train.runtime.tiers import TierSettings
@@ -111,9 +111,13 @@ def checked_config(name: str, config: Config | None, kind: type[Config]) -> Conf
 
 
 def resolved_tiers(tiers: TierConfig, scorer: Scorer) -> TierConfig:
-    """``tiers`` with the allocation and head floor it leaves None taken from ``scorer`` (how it was trained)."""
-    return dataclasses.replace(tiers, allocation=tiers.allocation or scorer.allocation,
-                               head_floor=scorer.head_floor if tiers.head_floor is None else tiers.head_floor)
+    """``tiers`` with the allocation and head floor it leaves None taken from ``scorer`` (how it was trained), and
+    the scoring batch it leaves None that allocation's default (:func:`default_scoring_batch_tokens`)."""
+    allocation = tiers.allocation or scorer.allocation
+    batch = tiers.scoring_batch_tokens
+    return dataclasses.replace(tiers, allocation=allocation,
+                               head_floor=scorer.head_floor if tiers.head_floor is None else tiers.head_floor,
+                               scoring_batch_tokens=default_scoring_batch_tokens(allocation) if batch is None else batch)
 
 class CurKVCache(Cache):
     """A transformers Cache compressed by a trained value estimator, with hot / warm / cold tiers.
@@ -308,13 +312,11 @@ class CurKVCache(Cache):
         chunk = max(1, self.joint_chunk)
         logits = [each for start in range(0, len(layers), chunk)
                   for each in self._score_layers(layers[start:start + chunk])]
-        competitions = []
-        for layer in layers:
+        competition = None
+        for layer in layers:  # every layer saw the same tokens: one competition for all
             layer.awaiting_scores, layer.projected_keys = False, None
-            competitions.append(layer.begin_compression())
-        chosen = across_layers(logits, competitions, self.settings.head_floor)
-        for layer, mask in zip(layers, chosen):
-            layer.finish(mask)
+            competition = layer.begin_compression(like=competition)
+        keep_jointly(layers, across_layers(logits, competition, self.settings.head_floor))
 
     def _score_layers(self, layers: list[CurKVLayer]) -> list[torch.Tensor]:
         """Estimator logits (batch, kv_heads, tokens) of each of ``layers``, every one holding the tokens seen."""

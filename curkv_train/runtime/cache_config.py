@@ -15,6 +15,16 @@ from curkv_train.runtime import cur
 # A prefill's first compressions are scored a group of layers at a time, as many as hold this many tokens: layer by
 # layer, scoring is tens of small operators whose cost hardly depends on the tokens below some thousands
 SCORING_BATCH_TOKENS = 4096
+# Under the joint allocation every layer waits for the others' scores anyway (the whole prompt is held until the last
+# layer), so a larger group costs no held tokens, only the pass's stacked copy of its layers' keys and values: all of
+# a 4K prefill's layers (up to 32) in one pass, 8 at 16K, one beyond 128K
+JOINT_SCORING_BATCH_TOKENS = 32 * SCORING_BATCH_TOKENS
+
+
+def default_scoring_batch_tokens(allocation: str) -> int:
+    """``scoring_batch_tokens`` when a TierConfig leaves it None: :data:`JOINT_SCORING_BATCH_TOKENS` under the joint
+    allocation, else :data:`SCORING_BATCH_TOKENS`."""
+    return JOINT_SCORING_BATCH_TOKENS if allocation == "joint" else SCORING_BATCH_TOKENS
 
 
 def check_whole(name: str, value: object) -> None:
@@ -62,7 +72,8 @@ class TierConfig:
         scoring_batch_tokens: a prefill's first compressions are scored several layers at a time, as many as
             hold this many of its tokens (:meth:`~curkv_train.runtime.Scorer.score_layers`): the same scores,
             from fewer, larger operators. Until its group is scored a layer holds the whole prompt; 0 or 1
-            scores each layer as it runs.
+            scores each layer as it runs. None: 4096 tokens, or under ``joint`` (where every layer waits for
+            the last anyway) 131072 (:func:`default_scoring_batch_tokens`).
         allocation: None: the scorer's (``per_head`` unless it was trained under ``joint``); ``per_head``: every
             (layer, KV head) keeps the same count; ``joint``: a prefill's first
             compression keeps the top ⌈ρ·N⌉ compressible tokens jointly over every layer and KV head, later ones
@@ -87,7 +98,7 @@ class TierConfig:
     cold_core: str = "optimal"
     compensation: bool = True
     compensation_ratio: float = 0.05
-    scoring_batch_tokens: int = SCORING_BATCH_TOKENS
+    scoring_batch_tokens: int | None = None
     allocation: str | None = None
     head_floor: float | None = None
 
@@ -100,10 +111,10 @@ class TierConfig:
         if self.allocation == "joint" and self.cold:
             raise CurKVError("allocation='joint' does not support the cold tier yet; pass cold=False or "
                              "allocation='per_head'")
-        for name, least in (("hot_windows", 1), ("compress_every", 1), ("warm_windows", 0),
-                            ("scoring_batch_tokens", 0)):
+        for name, least in (("hot_windows", 1), ("compress_every", 1), ("warm_windows", 0)):
             check_count(name, getattr(self, name), least)
-        for name, least in (("n_sink", 0), ("window", 1), ("cold_block", 1), ("cold_rows", 1), ("cold_channels", 1)):
+        for name, least in (("n_sink", 0), ("window", 1), ("cold_block", 1), ("cold_rows", 1), ("cold_channels", 1),
+                            ("scoring_batch_tokens", 0)):
             check_count(name, getattr(self, name), least, optional=True)
         if self.cold_core not in cur.CORES:
             raise CurKVError(f"unknown cold_core {self.cold_core!r}; expected one of {', '.join(cur.CORES)}")

@@ -84,28 +84,23 @@ def joint_choice(scores: torch.Tensor, competing: torch.Tensor, places: torch.Te
     return chosen
 
 
-def across_layers(logits: list[torch.Tensor], competitions: list[Competition], head_floor: float) -> list[torch.Tensor]:
+def across_layers(logits: list[torch.Tensor], competition: Competition, head_floor: float) -> torch.Tensor:
     """A prefill's first compression over every layer at once: the top ``places`` competing tokens of all layers and
     KV heads with a per-head floor (:func:`~curkv_train.core.selection.joint_keep_mask`).
 
     Args:
         logits: per layer (batch, kv_heads, tokens) scores of every held token (each layer holds the same tokens).
-        competitions: per layer, its :class:`Competition` (all equal: the layers saw the same tokens).
+        competition: the layers' :class:`Competition` (one for all: they saw the same tokens).
         head_floor: TierConfig.head_floor.
 
     Returns:
-        per layer (batch, kv_heads, tokens) bool, the competing tokens chosen.
+        (layers, batch, kv_heads, tokens) bool, the competing tokens chosen.
     """
-    first = competitions[0]
-    if any(not torch.equal(each.candidates, first.candidates) or each.target != first.target
-           or each.n_sink != first.n_sink for each in competitions):
-        raise CurKVError("joint allocation needs every layer to have seen the same tokens at its first compression; "
-                         "report this as a bug")
-    competing = int(first.competing.max())
-    if competing == 0 or bool((first.recent != first.recent.flatten()[0]).any()):
+    competing = int(competition.competing.max())
+    if competing == 0 or bool((competition.recent != competition.recent.flatten()[0]).any()):
         raise CurKVError("a prefill's joint compression found no competing tokens; report this as a bug")
-    start, keep = first.n_sink, first.target - int(first.recent.max())
-    scores = torch.stack([layer_logits[..., start:start + competing] for layer_logits in logits])
+    start, keep = competition.n_sink, competition.target - int(competition.recent.max())
+    scores = torch.stack(logits)[..., start:start + competing]
     mask = joint_keep_mask(scores, keep / competing, head_floor).bool()
     tokens = logits[0].shape[-1]
-    return [torch.nn.functional.pad(each, (start, tokens - start - competing)) for each in mask]
+    return torch.nn.functional.pad(mask, (start, tokens - start - competing))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from curkv_train.core.observation import Observation, QueryStatistics
+from curkv_train.core.observation import Observation, QueryStatistics, detached
 from curkv_train.core.errors import CurKVError
 from curkv_train.runtime.buffer import writable
 
@@ -60,7 +60,7 @@ class ObservationBuffer:
         """
         if not self.window:
             return
-        queries, new = queries.detach(), queries.shape[2]
+        queries, new = detached(queries), queries.shape[2]
         if self.ring is None:
             self.ring = queries.new_zeros(*queries.shape[:2], self.window, queries.shape[3])
         self.ring = writable(self.ring)
@@ -97,7 +97,8 @@ class ObservationBuffer:
 
     def _add_to_statistics(self, queries: torch.Tensor, start: int) -> None:
         """Add the queries at positions start, start + 1, ... that are not below ``statistics_skip``."""
-        counted = queries[:, :, max(0, self.statistics_skip - start):]
+        skipped = max(0, self.statistics_skip - start)
+        counted = queries[:, :, skipped:] if skipped else queries  # a slice is an operator too
         if counted.shape[2]:
             self.statistics.update(counted)
 

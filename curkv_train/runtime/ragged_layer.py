@@ -18,6 +18,7 @@ through :func:`~curkv_train.kernels.ragged_attention` (:mod:`curkv_train.runtime
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -157,21 +158,27 @@ class RaggedCurKVLayer(CurKVLayer):
 
     # --- compression -----------------------------------------------------------------------------------------------
 
-    def begin_compression(self) -> Competition | None:
+    def begin_compression(self, like: Competition | None = None) -> Competition | None:
         """Age the tokens past the hot tier into the candidates and say what competes (None: nothing aged). A dense
         layer (every head the prefill's tokens) stays dense until :meth:`finish` gathers what it keeps into packed
-        storage."""
+        storage. ``like``: the competition of another dense layer that saw the same tokens (a prefill's joint
+        compression, :func:`keep_jointly`), taken as this one's rather than built again."""
         settings = self.settings
         aged = self.n_hot - settings.hot_tokens
         if aged <= 0:
             return None
+        self.compressible_seen += aged
+        self.n_hot = settings.hot_tokens
+        target = settings.target(self.compressible_seen, self.seen, self.layer_idx)
+        if like is not None:
+            if self.store is not None or like.target != target:
+                raise CurKVError("a joint compression shared a competition between unlike layers; report this as a bug")
+            self.pending = like
+            return like
         if self.store is None:
             batch, heads, tokens = self.keys.shape[:3]
             self.lengths = torch.full((batch, heads), tokens, dtype=torch.long)
             self.warm = torch.full((batch, heads), self.n_warm, dtype=torch.long)
-        self.compressible_seen += aged
-        self.n_hot = settings.hot_tokens
-        target = settings.target(self.compressible_seen, self.seen, self.layer_idx)
         candidates = self.warm + aged
         recent = torch.clamp(candidates, max=int(settings.recent_share * target + 1e-9))
         self.pending = Competition(candidates, recent, target, self.n_sink_held)
@@ -227,6 +234,18 @@ class RaggedCurKVLayer(CurKVLayer):
         self.row_scores = None if self.token_scores is None else self.token_scores[mask]
         self.keys = self.values = self.positions = self.token_scores = None
 
+    def adopt_kept(self, kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sizes: "PackedSizes") -> None:
+        """Finish a dense layer's begun compression (as :meth:`finish` does) from a choice made for several layers at
+        once (:func:`keep_jointly`): ``kept`` the (batch, kv_head, token) index of each kept token, segment after
+        segment in age order; ``sizes`` its segments' (:class:`PackedSizes`)."""
+        self.pending = None
+        self.lengths, self.capacities, self.warm, self.n_warm = sizes.lengths, sizes.lengths, sizes.warm, sizes.n_warm
+        self.store = RaggedKV(self.keys[kept], self.values[kept], sizes.offsets, sizes.device_lengths,
+                              sizes.device_capacities)
+        self.row_positions = self.positions[kept]
+        self.row_scores = None if self.token_scores is None else self.token_scores[kept]
+        self.keys = self.values = self.positions = self.token_scores = None
+
     def _repack(self, rows: torch.Tensor) -> None:
         """Rebuild the store from its ``rows`` (the held tokens, segment by segment, already counted in
         ``self.lengths``), with no spare rows; positions and stored scores follow."""
@@ -277,3 +296,43 @@ class RaggedCurKVLayer(CurKVLayer):
             raise CurKVError("a CurKVCache cannot be cropped after it compressed tokens; "
                              "use a fresh cache (assisted generation and cache rollback are not supported)")
         super().crop(max_length)
+
+
+@dataclass(frozen=True)
+class PackedSizes:
+    """One layer's segment sizes after a joint compression, each (batch, kv_heads): ``lengths`` and ``warm`` (kept
+    tokens between the sinks and the hot tier) on the host, ``offsets``, ``device_lengths`` and
+    ``device_capacities`` on the layer's device; ``n_warm`` the largest ``warm``."""
+
+    lengths: torch.Tensor
+    warm: torch.Tensor
+    n_warm: int
+    offsets: torch.Tensor
+    device_lengths: torch.Tensor
+    device_capacities: torch.Tensor
+
+
+def keep_jointly(layers: list[RaggedCurKVLayer], chosen: torch.Tensor) -> None:
+    """Finish a prefill's first compression of ``layers`` together: what :meth:`RaggedCurKVLayer.finish` does for
+    each, from operators batched over the layers (a handful per layer, not tens).
+
+    Args:
+        layers: dense layers holding the same tokens, each with the same compression begun
+            (:meth:`RaggedCurKVLayer.begin_compression`).
+        chosen: (layers, batch, kv_heads, tokens) bool, the competing tokens each layer keeps.
+    """
+    first = layers[0]
+    competing = first.pending.competing_mask(chosen.shape[-1]).to(chosen.device)
+    kept = chosen | ~competing  # the sinks, the recent candidates and the hot tier, and the chosen
+    device_lengths = kept.sum(dim=-1)  # (layers, batch, kv_heads)
+    lengths = device_lengths.cpu()
+    warm = lengths - (first.n_sink_held + first.n_hot)
+    flat = device_lengths.flatten(1)
+    offsets = (flat.cumsum(1) - flat).view(device_lengths.shape)
+    per_layer = [each.unbind() for each in (lengths, warm, offsets, device_lengths, device_lengths.clone())]
+    counts = lengths.flatten(1).sum(dim=1).tolist()
+    # (batch, head, token) of every kept token, row-major: layer by layer, each segment's tokens in age order
+    rows = [index.split(counts) for index in kept.nonzero(as_tuple=True)[1:]]
+    for layer, n_warm, *each in zip(layers, warm.flatten(1).amax(dim=1).tolist(), *rows, *per_layer):
+        batch, head, token, sizes = each[0], each[1], each[2], each[3:]
+        layer.adopt_kept((batch, head, token), PackedSizes(sizes[0], sizes[1], n_warm, *sizes[2:]))

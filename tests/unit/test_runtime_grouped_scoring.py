@@ -6,6 +6,7 @@ import torch
 from curkv_train.core.rope import KEY_VIEWS
 from curkv_train.core.errors import CurKVError
 from curkv_train.runtime import CurKVCache, TierConfig
+from curkv_train.runtime.cache_config import JOINT_SCORING_BATCH_TOKENS, SCORING_BATCH_TOKENS
 from runtime_helpers import TORCH, family_scorer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -120,7 +121,26 @@ def test_a_layer_left_waiting_by_a_pass_that_stopped_is_scored_before_the_next_o
     assert not cache.awaiting and not first.awaiting_scores and first.held_tokens == 75 + 1
 
 
-@pytest.mark.parametrize("tokens", [-1, 2.5, None])
+@pytest.mark.parametrize("tokens", [-1, 2.5])
 def test_a_bad_scoring_batch_is_refused(model, tokens):
     with pytest.raises(CurKVError, match="scoring_batch_tokens"):
         CurKVCache(family_scorer("seed"), model=model, tiers=TierConfig(scoring_batch_tokens=tokens))
+
+
+def test_the_joint_allocation_scores_a_prefill_in_one_pass_by_default(model):
+    """Under joint every layer waits for the last anyway: its default group holds 32 times the tokens, so a prompt
+    whose layers per_head scores one at a time is scored in one pass, keeping what one-at-a-time scoring keeps."""
+    scorer = family_scorer("query_aware", features=LEAN)
+    assert CurKVCache(scorer, model=model).scoring_batch_tokens == SCORING_BATCH_TOKENS
+    joint = CurKVCache(scorer, model=model, tiers=TierConfig(allocation="joint"))
+    assert joint.scoring_batch_tokens == JOINT_SCORING_BATCH_TOKENS == 32 * SCORING_BATCH_TOKENS
+    assert CurKVCache(scorer, model=model, tiers=TierConfig(allocation="joint", scoring_batch_tokens=7)
+                      ).scoring_batch_tokens == 7
+    ids = torch.randint(3, 512, (1, 150), generator=torch.Generator().manual_seed(5))
+    one_pass, groups = prefill(model, scorer, ids, allocation="joint")
+    alone, singles = prefill(model, scorer, ids, allocation="joint", scoring_batch_tokens=150)
+    assert groups == [model.config.num_hidden_layers] and singles == [1] * model.config.num_hidden_layers
+    for mine, reference in zip(one_pass.layers, alone.layers):
+        assert torch.equal(mine.lengths, reference.lengths)
+        assert torch.equal(mine.row_positions, reference.row_positions)
+        assert torch.equal(mine.store.keys, reference.store.keys)

@@ -169,7 +169,7 @@ def test_the_configs_keep_the_earlier_defaults_and_the_cache_few_parameters():
         "recent_share": 0.5, "n_sink": None, "window": None, "hot": True, "hot_windows": 2, "compress_every": 2,
         "warm": True, "warm_windows": 10, "cold": False, "cold_block": None, "cold_rows": None,
         "cold_channels": None, "cold_core": "optimal", "compensation": True, "compensation_ratio": 0.05,
-        "scoring_batch_tokens": 4096, "allocation": None, "head_floor": None}  # None: the scorer's
+        "scoring_batch_tokens": None, "allocation": None, "head_floor": None}  # None: the scorer's (its allocation's)
     assert dataclasses.asdict(ComputeConfig()) == {"backend": "auto", "factored_attention": True,
                                                    "compile_scorer": False, "scorer_precision": None}
     assert list(inspect.signature(CurKVCache).parameters) == [
@@ -181,7 +181,7 @@ def test_the_configs_keep_the_earlier_defaults_and_the_cache_few_parameters():
 @pytest.mark.parametrize("make, message", [
     (lambda: TierConfig(hot_windows=0), "hot_windows must be a whole number >= 1"),
     (lambda: TierConfig(window=2.5), "window must be a whole number >= 1"),
-    (lambda: TierConfig(scoring_batch_tokens=None), "scoring_batch_tokens must be a whole number >= 0"),
+    (lambda: TierConfig(scoring_batch_tokens=-1), "scoring_batch_tokens must be a whole number >= 0"),
     (lambda: TierConfig(cold_core="svd"), "unknown cold_core 'svd'"),
     (lambda: TierConfig(compensation_ratio=1.5), "compensation_ratio must be in"),
     (lambda: ComputeConfig(backend="cuda"), "unknown backend 'cuda'"),
