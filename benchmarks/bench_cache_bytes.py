@@ -5,8 +5,10 @@ Usage: python benchmarks/bench_cache_bytes.py [--base embedded:smollm2-135m-inst
 
 For each context and keep ratio a prompt of stdlib source is prefilled into a DynamicCache and into CurKVCache
 (``layer_budget="uniform"``: the joint allocation refuses a per-layer split, so both rows get one ratio). It prints
-the bytes ``nbytes()`` counts and the K/V bytes of the tokens held (from each head's held count) as shares of the
-DynamicCache's K/V bytes, and the least and most tokens a (layer, KV head) holds. One JSON line per row follows.
+the bytes ``nbytes()`` counts and the K/V bytes of the tokens held (from each head's held count, plus a hybrid
+model's sliding-window layers from their tensors) as shares of the DynamicCache's K/V bytes, the compressed layers'
+K/V alone as a share of theirs in the DynamicCache, and the least and most tokens a compressed (layer, KV head)
+holds. One JSON line per row follows. A scorer for another base needs its ``--base`` (``embedded:gemma3-270m``).
 """
 
 from __future__ import annotations
@@ -40,9 +42,15 @@ def measure(model, scorer, ids: torch.Tensor, keep: float, allocation: str) -> d
     full = held_bytes(plain)
     counts = held_per_head(cache)
     first = plain.layers[0].keys
+    compressed = [layer.layer_idx for layer in cache.compressed_layers]
     kv = int(counts.sum()) * 2 * first.shape[-1] * first.element_size()
+    # a hybrid model's sliding-window layers, held as transformers holds them: counted from their tensors
+    sliding = sum(layer.keys.nbytes + layer.values.nbytes for index, layer in enumerate(cache.layers)
+                  if index not in compressed)
+    full_compressed = sum(plain.layers[index].keys.nbytes + plain.layers[index].values.nbytes for index in compressed)
     row = {"context": ids.shape[-1], "keep": keep, "allocation": allocation, "full_kv_bytes": full,
-           "nbytes_share": round(cache.nbytes() / full, 4), "kv_share": round(kv / full, 4),
+           "nbytes_share": round(cache.nbytes() / full, 4), "kv_share": round((kv + sliding) / full, 4),
+           "compressed_kv_share": round(kv / full_compressed, 4),
            "least_per_head": int(counts.min()), "most_per_head": int(counts.max())}
     cache.close()
     return row
@@ -60,7 +68,8 @@ def main() -> None:
     tokenizer = load_tokenizer(args.base)
     scorer = make_scorer(args.scorer, model)
     rows = []
-    print(f"{'context':>8} {'keep':>5} {'allocation':>10} {'nbytes/full':>12} {'K/V/full':>9} {'per head':>12}")
+    print(f"{'context':>8} {'keep':>5} {'allocation':>10} {'nbytes/full':>12} {'K/V/full':>9} {'compressed':>11} "
+          f"{'per head':>12}")
     for context in map(int, args.contexts.split(",")):
         ids = stdlib_prompt(tokenizer, context)
         for keep in map(float, args.keeps.split(",")):
@@ -68,6 +77,7 @@ def main() -> None:
                 row = measure(model, scorer, ids, keep, allocation)
                 rows.append(row)
                 print(f"{context:>8} {keep:>5} {allocation:>10} {row['nbytes_share']:>12.4f} {row['kv_share']:>9.4f} "
+                      f"{row['compressed_kv_share']:>11.4f} "
                       f"{row['least_per_head']:>5}-{row['most_per_head']:<6}")
     for row in rows:
         print(json.dumps(row))
