@@ -13,8 +13,9 @@ CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 SHIPPED = sorted(folder.name for folder in CHECKPOINTS.iterdir() if (folder / "scorer.json").is_file())
 
 
-def test_one_scorer_ships_per_base_model():
-    assert "smollm2-135m" in SHIPPED
+def test_one_scorer_ships_per_base_model_with_its_card():
+    assert {"smollm2-135m", "gemma3-270m"} <= set(SHIPPED)
+    assert all((CHECKPOINTS / name / "EVAL.md").is_file() for name in SHIPPED)
     bases = [json.loads((CHECKPOINTS / name / "scorer.json").read_text())["base_model"]["id"] for name in SHIPPED]
     assert len(bases) == len(set(bases)), f"two shipped scorers serve one base model: {SHIPPED}"
 
