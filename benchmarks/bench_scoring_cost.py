@@ -150,8 +150,8 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
     """Plain and CurKVCache prefill times and the cache's parts for one context length.
 
     Each of ``repeats`` rounds (after one warm-up round) runs a plain prefill, a CurKVCache prefill
-    (``batch_tokens``: its ``scoring_batch_tokens``, None: its allocation's default) and an instrumented one back to back, so drifts of a shared
-    machine hit all three alike; medians over rounds.
+    (``batch_tokens``: its ``scoring_batch_tokens``, None: its allocation's default) and an instrumented one back
+    to back, so drifts of a shared machine hit all three alike; medians over rounds.
     """
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     ids = ids.to(model.device)
@@ -194,7 +194,8 @@ def measure(model, scorer: Scorer, context: int, repeats: int, batch_tokens: int
             "overhead_share": round(statistics.median([r["cached"] / r["plain"] - 1 for r in rounds]), 4)}
 
 
-def operators_added(model, scorer: Scorer, context: int, batch_tokens: int | None, allocation: str | None = None) -> dict:
+def operators_added(model, scorer: Scorer, context: int, batch_tokens: int | None,
+                    allocation: str | None = None) -> dict:
     """Aten operators and Triton launches per layer that a CurKVCache prefill adds (operator_count.py)."""
     tiers = TierConfig(scoring_batch_tokens=batch_tokens, allocation=allocation)
     return added_per_layer(model, lambda: CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=tiers), context)

@@ -6,8 +6,8 @@ room along its token dimension: an append writes into the room, and only when it
 the tensor copied once into a larger one, with room for ``headroom`` tokens counted from the
 append that needed it (or for that append alone, if it is longer). A tensor
 assigned whole (a compression) or appended to an empty buffer (a prefill) is held at its exact size,
-contiguous (a copy only where it is not); the room is only added by the first append that needs it. The headroom is allocated memory, so it is counted as held
-(:meth:`AppendBuffer.nbytes`).
+contiguous (a copy only where it is not); the room is only added by the first append that needs it.
+The headroom is allocated memory, so it is counted as held (:meth:`AppendBuffer.nbytes`).
 """
 
 from __future__ import annotations

@@ -117,7 +117,8 @@ def resolved_tiers(tiers: TierConfig, scorer: Scorer) -> TierConfig:
     batch = tiers.scoring_batch_tokens
     return dataclasses.replace(tiers, allocation=allocation,
                                head_floor=scorer.head_floor if tiers.head_floor is None else tiers.head_floor,
-                               scoring_batch_tokens=default_scoring_batch_tokens(allocation) if batch is None else batch)
+                               scoring_batch_tokens=(default_scoring_batch_tokens(allocation) if batch is None
+                                                     else batch))
 
 class CurKVCache(Cache):
     """A transformers Cache compressed by a trained value estimator, with hot / warm / cold tiers.

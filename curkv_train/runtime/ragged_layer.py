@@ -31,11 +31,11 @@ from curkv_train.runtime.layer import CurKVLayer
 
 
 def packed_layout(lengths: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets, capacities) (batch, kv_heads) of segments of ``lengths + room`` rows, row-major, as
-    :mod:`curkv_train.kernels.ragged` lays them out."""
-    capacities = lengths + room
-    flat = capacities.reshape(-1)
-    return (torch.cumsum(flat, 0) - flat).reshape(capacities.shape), capacities
+    """(offsets, capacities) (..., batch, kv_heads) of segments of ``lengths + room`` rows, row-major, as
+    :mod:`curkv_train.kernels.ragged` lays them out (each leading index, e.g. a layer, its own buffer)."""
+    capacities = lengths + room if room else lengths  # an add is an operator too
+    flat = capacities.reshape(*capacities.shape[:-2], -1)  # leading dimensions (several layers) laid out apart
+    return (torch.cumsum(flat, -1) - flat).reshape(capacities.shape), capacities
 
 
 def segment_rows(offsets: torch.Tensor, width: int) -> torch.Tensor:
@@ -171,7 +171,7 @@ class RaggedCurKVLayer(CurKVLayer):
         self.n_hot = settings.hot_tokens
         target = settings.target(self.compressible_seen, self.seen, self.layer_idx)
         if like is not None:
-            if self.store is not None or like.target != target:
+            if self.store is not None or like.target != target or like.n_sink != self.n_sink_held:
                 raise CurKVError("a joint compression shared a competition between unlike layers; report this as a bug")
             self.pending = like
             return like
@@ -228,11 +228,7 @@ class RaggedCurKVLayer(CurKVLayer):
             return
         offsets, self.capacities = packed_layout(self.lengths, 0)
         device_lengths = self.lengths.to(self.device)
-        self.store = RaggedKV(self.keys[mask], self.values[mask], offsets.to(self.device), device_lengths,
-                              device_lengths.clone())
-        self.row_positions = self.positions[mask]
-        self.row_scores = None if self.token_scores is None else self.token_scores[mask]
-        self.keys = self.values = self.positions = self.token_scores = None
+        self._take_dense(mask, offsets.to(self.device), device_lengths, device_lengths.clone())
 
     def adopt_kept(self, kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor], sizes: "PackedSizes") -> None:
         """Finish a dense layer's begun compression (as :meth:`finish` does) from a choice made for several layers at
@@ -240,8 +236,14 @@ class RaggedCurKVLayer(CurKVLayer):
         segment in age order; ``sizes`` its segments' (:class:`PackedSizes`)."""
         self.pending = None
         self.lengths, self.capacities, self.warm, self.n_warm = sizes.lengths, sizes.lengths, sizes.warm, sizes.n_warm
-        self.store = RaggedKV(self.keys[kept], self.values[kept], sizes.offsets, sizes.device_lengths,
-                              sizes.device_capacities)
+        self._take_dense(kept, sizes.offsets, sizes.device_lengths, sizes.device_capacities)
+
+    def _take_dense(self, kept: torch.Tensor | tuple[torch.Tensor, ...], offsets: torch.Tensor,
+                    lengths: torch.Tensor, capacities: torch.Tensor) -> None:
+        """Move a dense layer's ``kept`` tokens (a (batch, kv_heads, tokens) bool mask or its index, row-major) into
+        a packed store of segments at ``offsets`` (device tensors, (batch, kv_heads)); positions and stored scores
+        follow, and the dense tensors are dropped."""
+        self.store = RaggedKV(self.keys[kept], self.values[kept], offsets, lengths, capacities)
         self.row_positions = self.positions[kept]
         self.row_scores = None if self.token_scores is None else self.token_scores[kept]
         self.keys = self.values = self.positions = self.token_scores = None
@@ -327,8 +329,7 @@ def keep_jointly(layers: list[RaggedCurKVLayer], chosen: torch.Tensor) -> None:
     device_lengths = kept.sum(dim=-1)  # (layers, batch, kv_heads)
     lengths = device_lengths.cpu()
     warm = lengths - (first.n_sink_held + first.n_hot)
-    flat = device_lengths.flatten(1)
-    offsets = (flat.cumsum(1) - flat).view(device_lengths.shape)
+    offsets, _ = packed_layout(device_lengths, 0)
     per_layer = [each.unbind() for each in (lengths, warm, offsets, device_lengths, device_lengths.clone())]
     counts = lengths.flatten(1).sum(dim=1).tolist()
     # (batch, head, token) of every kept token, row-major: layer by layer, each segment's tokens in age order
