@@ -4,10 +4,12 @@ positions (what the causal mask is built from) from the kept length."""
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from curkv_train.core.shapes import text_config
 from curkv_train.runtime.hybrid import sliding_layers
 
 
@@ -25,7 +27,7 @@ def continuation_logits(model: PreTrainedModel, cache: DynamicCache, continuatio
     """Logits (batch, M, vocab) float32 of ``continuation_ids`` (batch, M) after a (compressed) context; ``cache`` is
     extended in place by the continuation (build a fresh one per run)."""
     if _full_layers_pressed(model, cache, context_length):
-        return _token_by_token(model, cache, continuation_ids, context_length)
+        return _per_type_masks(model, cache, continuation_ids, context_length)
     held = cache.get_seq_length()
     count = continuation_ids.shape[1]
     device = continuation_ids.device
@@ -46,19 +48,32 @@ def _full_layers_pressed(model: PreTrainedModel, cache: DynamicCache, context_le
                                  if index not in sliding)
 
 
-def _token_by_token(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor,
+def _per_type_masks(model: PreTrainedModel, cache: DynamicCache, continuation_ids: torch.Tensor,
                     context_length: int) -> torch.Tensor:
-    """:func:`continuation_logits` on a hybrid model, one token per forward. Its sliding-window layers have seen the
-    whole context and its pressed full-attention layers hold fewer tokens: one cache position cannot build both
-    masks for several queries (the full layers' would let a query see the tokens after it), while a single query
-    sees every held token of a full layer and the sliding mask wants the position seen."""
-    parts = []
-    for index in range(continuation_ids.shape[1]):
-        position = torch.tensor([context_length + index], device=continuation_ids.device)
-        output = model(input_ids=continuation_ids[:, index:index + 1], past_key_values=cache, use_cache=True,
-                       position_ids=position[None], cache_position=position)
-        parts.append(output.logits.float())
-    return torch.cat(parts, dim=1)
+    """:func:`continuation_logits` on a hybrid model whose full-attention layers were pressed, in one forward: its
+    sliding-window layers have seen the whole context and its full layers hold fewer tokens, so the model's one
+    cache position cannot build both masks (the full layers' would let a query see the tokens after it). Each layer
+    type gets its own: the full layers' causal over their held tokens (built for the first, fitted to the others by
+    the runtime's attention wrapper where they hold different counts), the sliding layers' at the true positions."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    from curkv_train.runtime.attention import install_runtime_attention
+
+    sliding = set(sliding_layers(model))
+    full_held = [layer.keys.shape[-2] for index, layer in enumerate(cache.layers) if index not in sliding]
+    count, device = continuation_ids.shape[1], continuation_ids.device
+    positions = torch.arange(context_length, context_length + count, device=device)
+    embeds = model.get_input_embeddings()(continuation_ids)
+    arguments = {"config": text_config(model.config), "inputs_embeds": embeds, "attention_mask": None,
+                 "past_key_values": cache, "position_ids": positions[None]}
+    masks = {"full_attention": create_causal_mask(cache_position=positions - context_length + full_held[0],
+                                                  **arguments),
+             "sliding_attention": create_sliding_window_causal_mask(cache_position=positions, **arguments)}
+    fitted = len(set(full_held)) > 1
+    with install_runtime_attention(model, factored=False, per_layer=True) if fitted else nullcontext():
+        output = model(inputs_embeds=embeds, attention_mask=masks, past_key_values=cache, use_cache=True,
+                       position_ids=positions[None], cache_position=positions)
+    return output.logits.float()
 
 
 @torch.no_grad()

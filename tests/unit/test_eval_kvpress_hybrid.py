@@ -60,3 +60,31 @@ def test_a_pressed_hybrid_cache_continues_causally(gemma):
         gemma.model(input_ids=context, past_key_values=full, use_cache=True)
         whole = gemma(ids).logits[:, TOKENS:].float()
     assert torch.allclose(batched_continuation_logits(gemma, [full], continuation, TOKENS)[0], whole, atol=1e-4)
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_a_pressed_hybrid_cache_continues_in_one_forward_as_token_by_token(gemma, uneven):
+    """The continuation's one forward (a mask per layer type, the full layers' fitted to each one's held tokens
+    where they differ, as a layer-adaptive press leaves them) gives the logits of feeding the same tokens one at a
+    time."""
+    import copy
+
+    from curkv_train.eval.compressed import continuation_logits
+
+    ids = prompt(TOKENS + 16)
+    context, continuation = ids[:, :TOKENS], ids[:, TOKENS:]
+    press = kvpress_bridge.make_press("snapkv", 0.6, n_sink=4, window=8, seed=0)
+    cache = kvpress_bridge.press_cache(gemma, kvpress_bridge.PRESSES["snapkv"], press, context, seed=0)[0]
+    if uneven:  # layer 3 also drops its first 10 kept tokens after the sinks
+        layer = cache.layers[3]
+        layer.keys, layer.values = (torch.cat([each[:, :, :4], each[:, :, 14:]], dim=2)
+                                    for each in (layer.keys, layer.values))
+    assert (cache.layers[1].keys.shape[2] != cache.layers[3].keys.shape[2]) == uneven
+    stepped, parts = copy.deepcopy(cache), []
+    with torch.no_grad():
+        for index in range(continuation.shape[1]):
+            position = torch.tensor([TOKENS + index])
+            parts.append(gemma(input_ids=continuation[:, index:index + 1], past_key_values=stepped, use_cache=True,
+                               position_ids=position[None], cache_position=position).logits.float())
+    torch.testing.assert_close(continuation_logits(gemma, cache, continuation, TOKENS), torch.cat(parts, dim=1),
+                               atol=1e-4, rtol=1e-4)
