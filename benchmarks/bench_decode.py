@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/bench_decode.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 2048,4096,8192] [--keeps 0.5,0.3] [--new-tokens 256] [--threads 2]
-       [--settings NAMES] [--backend auto] [--rounds 2]
+       [--settings NAMES] [--backend auto] [--rounds 2] [--device cpu] [--dtype float32] [--random-weights]
 
 For each context length a prompt of that many tokens (the Python standard library's sources: timing only) is
 prefilled once per cache, then ``--new-tokens`` greedy steps are timed. Per cache it prints decode tokens/s, the
@@ -15,6 +15,11 @@ each round; its fastest run is reported, with the speed-up per round beside it.
 ``--new-tokens`` should be a multiple of every setting's compression interval, so each compresses once per interval
 timed. DynamicCache runs on its own copy of the base model, never hooked by a CurKVCache. The timing hooks live in
 this script; docs/runtime.md ("Costs") has the measured figures.
+
+``--device cuda --random-weights`` builds the base from its config (``data/model_configs``: no download) and prompts
+with random tokens (no tokenizer): what ``benchmarks/gpu_checks.sh`` runs, ``graphs`` (the scoring replayed as CUDA
+graphs, ``ComputeConfig(scoring_graphs=True)``) against ``default``. ``--scorer init:FAMILY`` takes an untrained
+scorer (timing does not depend on the weights).
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from curkv_train.models.base import load_base_model, load_tokenizer
-from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig, load_scorer
+from curkv_train.models.base import load_tokenizer
+from curkv_train.runtime import ComputeConfig, CurKVCache, TierConfig
+from curkv_train.runtime.cache import compute_scorer
 from curkv_train.runtime.layer import CurKVLayer
+from bench_scoring_cost import load_model, make_scorer  # beside this script
 from timing import TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
 
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -49,6 +56,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "uniform": {"layer_budget": "uniform"},
     "every-window": {"compress_every": 1, "hot_windows": 3},
     "compiled": {"compile_scorer": True},
+    "graphs": {"scoring_graphs": True},
     "medium": {"scorer_precision": "medium"},
     "compiled-medium": {"compile_scorer": True, "scorer_precision": "medium"},
 }
@@ -103,7 +111,7 @@ def decode(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any
     tokens = [int(logits[0, -1].argmax())]
     steps, peak_bytes = [], 0
     for _ in range(new_tokens):
-        token = torch.tensor([[tokens[-1]]])
+        token = torch.tensor([[tokens[-1]]], device=prompt.device)
         start = time.perf_counter()
         logits = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         tokens.append(int(logits[0, -1].argmax()))
@@ -125,7 +133,8 @@ def run_context(model, plain_model, scorer, prompt: torch.Tensor, args: argparse
     for keep in args.keeps:
         for name in args.settings:
             options = cache_options(SETTINGS[name], keep, args.backend)
-            runs.append((name, keep, functools.partial(CurKVCache, scorer, model=model, **options)))
+            made = compute_scorer(scorer, options["compute"])  # compiled once for every round's cache
+            runs.append((name, keep, functools.partial(CurKVCache, made, model=model, **options)))
     rounds: dict[int, list[dict[str, Any]]] = {index: [] for index in range(len(runs))}  # every run, by round
     for round_index in range(args.rounds):
         # alternate the order: a run's place in the sequence shifts its speed on this machine
@@ -211,24 +220,36 @@ def main() -> None:
                         help=f"CurKVCache settings, comma-separated from: {', '.join(SETTINGS)}")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--backend", default="auto", help="kernel backend of CurKVCache (auto, torch, triton)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--random-weights", action="store_true",
+                        help="build the base from its config and prompt with random tokens")
     args = parser.parse_args()
     if args.new_tokens < 1:
         parser.error("--new-tokens must be at least 1 (one timed decode step)")
     torch.set_num_threads(args.threads)
     instrument()
-    model = load_base_model(args.base, attn_implementation="sdpa")
+    model = load_model(args.base, random_weights=args.random_weights, layers=None, dtype=getattr(torch, args.dtype),
+                       device=args.device)
     plain_model = copy.deepcopy(model)  # DynamicCache's: never hooked by a CurKVCache
-    tokenizer = load_tokenizer(args.base)
-    scorer = load_scorer(args.scorer, model=model)
-    prompts = {context: stdlib_prompt(tokenizer, context) for context in args.contexts}
+    scorer = make_scorer(args.scorer, model)
+    if args.random_weights:
+        generator = torch.Generator().manual_seed(0)
+        prompts = {context: torch.randint(0, model.config.vocab_size, (1, context), generator=generator)
+                   for context in args.contexts}
+    else:
+        tokenizer = load_tokenizer(args.base)
+        prompts = {context: stdlib_prompt(tokenizer, context) for context in args.contexts}
+    prompts = {context: prompt.to(args.device) for context, prompt in prompts.items()}
     print(f"{args.base}, scorer {args.scorer}, {args.threads} threads, {args.new_tokens} new tokens, "
-          f"attention {model.config._attn_implementation}; host check: {product_ms():.2f} ms", flush=True)
+          f"attention {model.config._attn_implementation}, {args.device} {args.dtype}; host check: "
+          f"{product_ms(args.device):.2f} ms", flush=True)
     results = []
     for context, prompt in prompts.items():
         rows = run_context(model, plain_model, scorer, prompt, args)
         print_table(rows)
         results += rows
-    print(f"host check at the end: {product_ms():.2f} ms (timing.product_ms)")
+    print(f"host check at the end: {product_ms(args.device):.2f} ms (timing.product_ms)")
     for row in results:
         row.pop("tokens")
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))

@@ -12,7 +12,9 @@
 # curkv_train runs from a copy laid out as pip would install it (kernels/ as curkv_train.kernels, ...), so nothing is
 # built. The embedded GGUF model does not travel (over a device call's 64 MiB): the scoring cost runs the shipped
 # SmolLM2 and Llama-2-70B configs (data/model_configs) with random weights (timing does not depend on them). Each step has its own time
-# limit; the whole run takes about 9 minutes of a session's 15. Logs land in OUT_DIR, one per step.
+# limit; the whole run takes about 12 minutes of a session's 15, more than one device call's 10, so run it as two
+# calls: ONLY="NAME ..." runs just the steps named (the first call every step but decode_smollm2, the second that
+# one). Logs land in OUT_DIR, one per step.
 set -u
 out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR [WHEELS_DIR]}
 wheels=${2:-}
@@ -42,6 +44,7 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 step() {  # step NAME SECONDS COMMAND...: run from $site (the repository's own curkv_train folder would shadow the copy)
   local name=$1 limit=$2
   shift 2
+  [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0  # ONLY="a b": just those steps (a second call)
   local start=$SECONDS
   (cd "$site" && timeout "$limit" "$@") > "$out/$name.log" 2>&1
   echo "$name: exit $? in $((SECONDS - start)) s"
@@ -56,4 +59,8 @@ step scoring_smollm2_compiled 180 "${scoring[@]}" --base HuggingFaceTB/SmolLM2-1
 step scoring_llama70b 120 "${scoring[@]}" --base meta-llama/Llama-2-70b-hf --layers 4 --contexts 1024,4096
 step scoring_llama70b_torch_features 120 "${scoring[@]}" --base meta-llama/Llama-2-70b-hf --layers 4 \
   --contexts 1024,4096 --feature-backend torch
+# a decode step's overhead, with the re-compressions' scoring eager, compiled, and replayed as CUDA graphs
+step decode_smollm2 240 python "$repo/benchmarks/bench_decode.py" --device cuda --dtype bfloat16 --random-weights \
+  --base HuggingFaceTB/SmolLM2-135M-Instruct --scorer init:query_aware --contexts 4096 --keeps 0.5 --new-tokens 256 \
+  --settings default,compiled,graphs --rounds 2
 tail -n 3 "$out"/*.log

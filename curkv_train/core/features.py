@@ -50,7 +50,8 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
                    positions: torch.Tensor, end: int, observation: Observation, *,
                    future_positions: int = 512, pool_kernel: int = 5, gram: torch.Tensor | None = None,
                    rotation: torch.Tensor | None = None, backend: str = "auto",
-                   matmul_precision: str = "highest", names: tuple[str, ...] = QUERY_FEATURES) -> torch.Tensor:
+                   matmul_precision: str = "highest", names: tuple[str, ...] = QUERY_FEATURES,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
     """Features of every token of one layer, :data:`QUERY_FEATURES` in order.
 
     Args:
@@ -76,6 +77,11 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
             the scores rounded slightly differently; docs/runtime.md). The Triton kernels ignore it.
         names: which features, a subset of :data:`QUERY_FEATURES` in its order (:func:`check_feature_names`);
             the torch path computes only those (the window attention is most of the cost, ‖W_O v‖ the next).
+        valid: (batch, kv_heads, tokens) bool, False for padding (each head's tokens first, padding after: heads
+            of different lengths scored in one pass, or a width padded to a fixed size). Padded tokens get no
+            attention share, are left out of the counts and the centring, and leave every real token's features
+            what they are without them; theirs are meaningless. ``positions`` must still be valid RoPE positions
+            there (say, a real token's repeated).
 
     Returns:
         (batch, kv_heads, tokens, len(names)) float32.
@@ -84,9 +90,14 @@ def query_features(model: PreTrainedModel, module: torch.nn.Module, keys: torch.
     check_feature_names(names)
     kernels = feature_backend(backend, keys, values) == "triton"
     parts = _attention_sized_parts(model, module, keys, values, positions, end, observation, future_positions, gram,
-                                   rotation, matmul_precision, names, kernels)
-    features = torch.stack([_finish(name, parts.get(name), values, pool_kernel) for name in names], dim=-1)
-    return features - features.mean(dim=2, keepdim=True)
+                                   rotation, matmul_precision, names, kernels, valid)
+    count = keys.shape[2] if valid is None else valid.sum(dim=-1, keepdim=True)  # (b, h, 1): each head's tokens
+    features = torch.stack([_finish(name, parts.get(name), values, pool_kernel, valid, count) for name in names],
+                           dim=-1)
+    if valid is None:
+        return features - features.mean(dim=2, keepdim=True)
+    weights = valid.unsqueeze(-1).float()
+    return features - (features * weights).sum(dim=2, keepdim=True) / count.unsqueeze(-1)
 
 
 def check_feature_names(names: tuple[str, ...] | list[str]) -> None:
@@ -100,15 +111,17 @@ def check_feature_names(names: tuple[str, ...] | list[str]) -> None:
 
 
 def _attention_sized_parts(model, module, keys, values, positions, end, observation, future_positions, gram, rotation,
-                           precision, names, kernels) -> dict[str, torch.Tensor]:
+                           precision, names, kernels, valid=None) -> dict[str, torch.Tensor]:
     """What the ``names`` features need, keyed by feature: the window's mass (b, h, n), the expected attention's
     logits (b, h, g, n), ‖W_O v‖ (b, h, n); by the fused Triton kernels (``kernels``: all three in one pass) or
-    :func:`window_mass`, :func:`expected_logits` and :func:`output_norms`, only those asked for."""
+    :func:`window_mass`, :func:`expected_logits` and :func:`output_norms`, only those asked for. Padding (``valid``
+    False) is placed at ``end``, after every window query, for the window's mass: none of it reaches padding."""
     names = QUERY_FEATURES if kernels else names  # the kernels' inputs are every part's
     kv_heads, dim = keys.shape[1], keys.shape[3]
     group = observation.queries.shape[1] // kv_heads
     scale = getattr(module, "scaling", dim**-0.5)
     positions, query_positions = positions.to(keys.device), observation.positions.to(keys.device)
+    seen_positions = positions if valid is None else torch.where(valid, positions, end)
     if "window_attention" in names:
         queries = window_queries(model, observation.queries.float(), observation.positions, kv_heads, scale)
     if "expected_attention" in names:
@@ -119,12 +132,12 @@ def _attention_sized_parts(model, module, keys, values, positions, end, observat
         from curkv_train.kernels.query_features_triton import query_feature_parts_triton
 
         gram = output_gram(module, kv_heads, group) if gram is None else gram
-        parts = query_feature_parts_triton(queries, query_positions, keys, positions, values, mean, covariance, gram,
-                                           scale)
+        parts = query_feature_parts_triton(queries, query_positions, keys, seen_positions, values, mean, covariance,
+                                           gram, scale)
         return dict(zip(("window_attention", "expected_attention", "output_norm"), parts))
     float_keys, parts = keys.float(), {}
     if "window_attention" in names:
-        parts["window_attention"] = window_mass(queries, float_keys, positions, query_positions, precision)
+        parts["window_attention"] = window_mass(queries, float_keys, seen_positions, query_positions, precision)
     if "expected_attention" in names:
         parts["expected_attention"] = expected_logits(mean, covariance, float_keys, precision)
     if "output_norm" in names:
@@ -132,13 +145,18 @@ def _attention_sized_parts(model, module, keys, values, positions, end, observat
     return parts
 
 
-def _finish(name: str, part: torch.Tensor | None, values: torch.Tensor, pool_kernel: int) -> torch.Tensor:
+def _finish(name: str, part: torch.Tensor | None, values: torch.Tensor, pool_kernel: int,
+            valid: torch.Tensor | None, count: int | torch.Tensor) -> torch.Tensor:
     """Feature ``name`` (batch, kv_heads, tokens) from its attention-sized part (:func:`_attention_sized_parts`;
-    ``value_norm`` has none): the log shares of the two attentions, the log norms."""
+    ``value_norm`` has none): the log shares of the two attentions among ``count`` tokens (an int, or (b, h, 1)
+    with padding), the log norms. The window's mass is already 0 at padding: its pooling sees zeros there, as past
+    the last token."""
     if name == "window_attention":
-        return _log_share(F.avg_pool1d(part, pool_kernel, stride=1, padding=pool_kernel // 2))
+        return _log_share(F.avg_pool1d(part, pool_kernel, stride=1, padding=pool_kernel // 2), count)
     if name == "expected_attention":
-        return _log_share(part.softmax(dim=-1).mean(dim=2))
+        if valid is not None:
+            part = part.masked_fill(~valid.unsqueeze(2), MASKED)
+        return _log_share(part.softmax(dim=-1).mean(dim=2), count)
     if name == "value_norm":
         return values.float().norm(dim=-1).clamp_min(EPSILON).log()
     return part.clamp_min(EPSILON).log()
@@ -188,9 +206,10 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
-def _log_share(probs: torch.Tensor) -> torch.Tensor:
-    """log(n·p) of attention shares p (..., n): 0 where a token gets the uniform share."""
-    return (probs * probs.shape[-1] + EPSILON).log()
+def _log_share(probs: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """log(n·p) of attention shares p (..., n) among ``count`` = n tokens (an int, or per row (..., 1)): 0 where a
+    token gets the uniform share."""
+    return (probs * count + EPSILON).log()
 
 
 def window_queries(model: PreTrainedModel, queries: torch.Tensor, query_positions: torch.Tensor, kv_heads: int,

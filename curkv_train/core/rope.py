@@ -136,8 +136,10 @@ def key_view(model: PreTrainedModel, keys: torch.Tensor, positions: torch.Tensor
     if view == "post_rope":
         return keys.float()
     if view == "end_relative":
-        last = (int(positions.max()) + 1 if end is None else end) - 1
-        positions = torch.tensor([last], device=keys.device)
+        if isinstance(end, torch.Tensor):  # a CUDA graph's input (Scorer.graphed): no host copy
+            positions = (end - 1).reshape(1).to(keys.device)
+        else:
+            positions = torch.tensor([(int(positions.max()) + 1 if end is None else end) - 1], device=keys.device)
     tables = inverse_pair_tables(model, positions, keys, end)
     if tables is None:
         return keys.float()

@@ -35,7 +35,7 @@ class RecencyCache(CurKVCache):
         return super()._observer(layer) if self.observe else ObservationBuffer(0, None, 0)
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
-               observation, token_scores, projected_keys=None) -> torch.Tensor:
+               observation, token_scores, projected_keys=None, valid=None) -> torch.Tensor:
         """(batch, kv_heads, tokens) float32 positions of the held tokens: newer = higher."""
         return positions.float()
 

@@ -90,13 +90,13 @@ class QueryAwareEstimator(ValueEstimator):
     def query_features(self, model: PreTrainedModel, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
                        positions: torch.Tensor, end: int, observation: Observation,
                        gram: torch.Tensor | None = None, rotation: torch.Tensor | None = None,
-                       matmul_precision: str = "highest") -> torch.Tensor:
+                       matmul_precision: str = "highest", valid: torch.Tensor | None = None) -> torch.Tensor:
         """This estimator's features of one layer (``module``: its attention module), (batch, kv_heads, tokens, F):
         :func:`query_features` with its features, observation window, future positions and pooling (training,
-        cache and press all call this); ``gram``, ``rotation`` and ``matmul_precision`` as there."""
+        cache and press all call this); ``gram``, ``rotation``, ``matmul_precision`` and ``valid`` as there."""
         return query_features(model, module, keys, values, positions, end, observation.last(self.observation_window),
                               future_positions=self.future_positions, pool_kernel=self.pool_kernel, gram=gram,
-                              rotation=rotation, matmul_precision=matmul_precision, names=self.features)
+                              rotation=rotation, matmul_precision=matmul_precision, names=self.features, valid=valid)
 
     def forward(self, inputs: EstimatorInputs, layers: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Keep-score logits (L', batch, kv_heads, tokens) float32; needs ``inputs.query_features``."""

@@ -30,7 +30,9 @@ class EstimatorInputs:
         values: (L', batch, kv_heads, tokens, head_dim) values.
         positions: (tokens,) absolute positions, or (batch, kv_heads, tokens) when each head
             holds its own tokens (a compressed cache).
-        end: tokens seen so far (distance features are measured to it).
+        end: tokens seen so far (distance features are measured to it); a 0-d tensor where the scoring runs
+            in a CUDA graph (:meth:`~curkv_train.runtime.Scorer.graphed`), which an int changing every
+            compression would re-record.
         query_features: (L', batch, kv_heads, tokens, F) from
             :func:`curkv_train.core.features.query_features`, for families that need them.
         token_scores: (L', batch, kv_heads, tokens) per-token logits computed from each token's
@@ -40,7 +42,7 @@ class EstimatorInputs:
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
-    end: int
+    end: int | torch.Tensor
     query_features: torch.Tensor | None = None
     token_scores: torch.Tensor | None = None
 
@@ -61,7 +63,7 @@ def position_features(positions: torch.Tensor, end: int, max_positions: int) -> 
     positions = positions.float()
     distance = (end - 1 - positions).clamp_min(0)
     log_distance = torch.log1p(distance) / math.log1p(max_positions)
-    relative = positions / max(end, 1)
+    relative = positions / (end.clamp_min(1) if isinstance(end, torch.Tensor) else max(end, 1))
     angle = math.pi * log_distance
     return torch.stack(
         [log_distance, log_distance**2, relative, relative**2,

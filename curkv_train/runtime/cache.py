@@ -120,6 +120,17 @@ def resolved_tiers(tiers: TierConfig, scorer: Scorer) -> TierConfig:
                                scoring_batch_tokens=(default_scoring_batch_tokens(allocation) if batch is None
                                                      else batch))
 
+def compute_scorer(scorer: Scorer, compute: ComputeConfig) -> Scorer:
+    """``scorer`` as ``compute`` runs it: through CUDA graphs (:meth:`Scorer.graphed`), compiled, or eager. A scorer
+    compiled already is taken as it is: pass one made by :meth:`Scorer.graphed` or :meth:`Scorer.compiled` to every
+    cache and they share one compilation (each copy compiles its own)."""
+    if scorer.is_compiled:
+        return scorer
+    if compute.scoring_graphs:
+        return scorer.graphed()
+    return scorer.compiled() if compute.compile_scorer else scorer
+
+
 class CurKVCache(Cache):
     """A transformers Cache compressed by a trained value estimator, with hot / warm / cold tiers.
 
@@ -168,7 +179,7 @@ class CurKVCache(Cache):
         self.sliding_window = check_full_attention(model)
         if self.compute.scorer_precision is not None:
             scorer = dataclasses.replace(scorer, matmul_precision=self.compute.scorer_precision)
-        self.scorer, self.model = scorer.compiled() if self.compute.compile_scorer else scorer, model
+        self.scorer, self.model = compute_scorer(scorer, self.compute), model
         self.tiers = resolved_tiers(self.tiers, scorer)
         self.scoring_batch_tokens = self.tiers.scoring_batch_tokens
         self.awaiting: list[CurKVLayer] = []  # layers whose first compression waits for its group's scores
@@ -328,13 +339,15 @@ class CurKVCache(Cache):
                                         [layer.held_projected_keys() for layer in layers])
 
     def _score(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
-               observation, token_scores, projected_keys: torch.Tensor | None = None) -> torch.Tensor:
+               observation, token_scores, projected_keys: torch.Tensor | None = None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
         """Estimator logits (batch, kv_heads, tokens) for held tokens at per-head ``positions`` (``projected_keys``:
-        their pre-RoPE keys, if the layer recorded them)."""
-        if keys.shape[-2] == end:  # nothing evicted or spilled yet: every head holds 0 .. end - 1
+        their pre-RoPE keys, if the layer recorded them; ``valid``: False where a head's tokens are padding, as
+        :meth:`Scorer.score_layer` takes it)."""
+        if keys.shape[-2] == end and valid is None:  # nothing evicted or spilled yet: every head holds 0 .. end - 1
             positions = torch.arange(end, device=keys.device)  # shared: a third of the tables to gather
         return self.scorer.score_layer(self.model, layer, keys, values, positions, end=end, observation=observation,
-                                       token_scores=token_scores, projected_keys=projected_keys)
+                                       token_scores=token_scores, projected_keys=projected_keys, valid=valid)
 
     def nbytes(self) -> int:
         """Bytes actually held by the cache, every layer counted: K/V, CUR factors, residuals and position

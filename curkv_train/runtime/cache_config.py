@@ -137,12 +137,17 @@ class ComputeConfig:
         scorer_precision: the scorer's :attr:`~curkv_train.runtime.Scorer.matmul_precision` for this cache
             (``highest`` or ``medium``: bfloat16 operands in the query features' three attention-sized
             products); None: the scorer's own.
+        scoring_graphs: score through ``torch.compile``'s ``reduce-overhead`` mode
+            (:meth:`~curkv_train.runtime.Scorer.graphed`): on a GPU every compression, the decode's included, replays
+            a CUDA graph, one of four per doubling of the held tokens (widths padded, the padding masked); the first
+            compression pays the compilation, as ``compile_scorer``, which it replaces.
     """
 
     backend: str = "auto"
     factored_attention: bool = True
     compile_scorer: bool = False
     scorer_precision: str | None = None
+    scoring_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

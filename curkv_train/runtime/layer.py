@@ -15,8 +15,8 @@ from curkv_train.runtime.buffer import buffer_of, buffered
 from curkv_train.runtime.observer import ObservationBuffer
 from curkv_train.runtime.tiers import ColdBlock, TierSettings
 
-# (layer, keys, values, positions, end, observation, token_scores, projected_keys) -> (batch, kv_heads, tokens)
-# keep logits
+# (layer, keys, values, positions, end, observation, token_scores, projected_keys, valid=None) -> (batch, kv_heads,
+# tokens) keep logits
 ScoreFn = Callable[..., torch.Tensor]
 
 
@@ -37,9 +37,10 @@ class CurKVLayer(CacheLayerMixin):
     Args:
         layer_idx: decoder layer index (for the estimator's per-layer parameters).
         settings: the tier settings shared by all layers.
-        score_fn: (layer, keys, values, positions, end, observation, token_scores, projected_keys) ->
+        score_fn: (layer, keys, values, positions, end, observation, token_scores, projected_keys, valid=None) ->
             (batch, kv_heads, tokens) keep logits of the held dense tokens (projected_keys: their pre-RoPE keys
-            when the layer has them, else None).
+            when the layer has them, else None; valid: (batch, kv_heads, tokens) False at padding, a ragged layer's
+            heads scored together).
         observer: the layer's recorded attention inputs (filled through :meth:`observe`).
     """
 

@@ -260,22 +260,18 @@ class RaggedCurKVLayer(CurKVLayer):
             self.row_scores = self.row_scores[rows]
 
     def score_held(self, width: int) -> torch.Tensor:
-        """(batch, kv_heads, width) logits of each head's held tokens (−inf past its length). Heads of one length
-        are scored together on a dense view; a layer is scored once per distinct length, each head at its own
-        length, so features that normalise over a head's tokens see exactly its tokens."""
-        out = torch.full((*self.lengths.shape, width), float("-inf"), device=self.device)
-        for length in self.lengths.unique().tolist():
-            index = segment_rows(self.store.offsets, length)
-            last = (self.store.lengths - 1).clamp_min(0)[..., None]
-            index = torch.minimum(index, self.store.offsets[..., None] + last)  # other lengths: read, then ignored
-            keys, values = self.store.keys[index], self.store.values[index]
-            positions = self.row_positions[index].long()
-            scores = None if self.row_scores is None else self.row_scores[index]
-            logits = self.score_fn(self.layer_idx, keys, values, positions, self.seen, self.observer.observation(),
-                                   scores, None)
-            mine = (self.lengths == length).to(self.device)
-            out[..., :length] = torch.where(mine[..., None], logits, out[..., :length])
-        return out
+        """(batch, kv_heads, width) logits of each head's held tokens (−inf past its length), in one scoring of a
+        dense view: each head's tokens, then its last one repeated up to ``width``, masked (``valid``), so features
+        that normalise over a head's tokens see exactly its tokens."""
+        index = segment_rows(self.store.offsets, width)
+        last = (self.store.lengths - 1).clamp_min(0)[..., None]
+        index = torch.minimum(index, self.store.offsets[..., None] + last)  # a shorter head's last row, repeated
+        valid = torch.arange(width, device=self.device) < self.store.lengths[..., None]
+        scores = None if self.row_scores is None else self.row_scores[index]
+        logits = self.score_fn(self.layer_idx, self.store.keys[index], self.store.values[index],
+                               self.row_positions[index].long(), self.seen, self.observer.observation(), scores, None,
+                               valid=valid)
+        return logits.masked_fill(~valid, float("-inf"))
 
     # --- batch operations and crop ---------------------------------------------------------------------------------
 

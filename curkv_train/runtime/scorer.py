@@ -38,6 +38,8 @@ class Scorer:
         matmul_precision: ``highest`` (as trained) or ``medium``: the query features' attention-sized
             products from bfloat16 operands (:func:`~curkv_train.core.features.product`), faster on a CPU
             with bf16 instructions at a small cost in agreement (docs/runtime.md). Other families ignore it.
+        bucketed: pad every scored width to :func:`bucket_width` (the padding masked): what :meth:`graphed` scores
+            through, so a graph serves a bucket of lengths.
     """
 
     estimator: nn.Module
@@ -51,6 +53,7 @@ class Scorer:
     allocation: str = "per_head"
     head_floor: float = 0.1
     matmul_precision: str = "highest"
+    bucketed: bool = False
 
     def __post_init__(self) -> None:
         check_matmul_precision(self.matmul_precision)
@@ -113,7 +116,7 @@ class Scorer:
     def score_layer(self, model: PreTrainedModel, layer: int, keys: torch.Tensor, values: torch.Tensor,
                     positions: torch.Tensor | None = None, end: int | None = None,
                     observation: Observation | None = None, token_scores: torch.Tensor | None = None,
-                    projected_keys: torch.Tensor | None = None) -> torch.Tensor:
+                    projected_keys: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Keep logits of one layer's cached tokens.
 
         Args:
@@ -129,14 +132,22 @@ class Scorer:
             projected_keys: (batch, kv_heads, tokens, head_dim) the same keys before RoPE, as the model projected
                 them, if the caller has them (a prefill): the ``pre_rope`` key view without turning the cached
                 keys back (equal up to rounding). A compiled scorer turns them back itself (one graph).
+            valid: (batch, kv_heads, tokens) bool, False for padding after each head's tokens (heads of different
+                lengths scored together; ``positions`` per head, a real token's where padded): the real tokens'
+                logits are those of scoring each head alone (:func:`~curkv_train.core.features.query_features`).
 
         Returns:
-            (batch, kv_heads, tokens) float32 logits, higher = keep.
+            (batch, kv_heads, tokens) float32 logits, higher = keep (meaningless where ``valid`` is False).
         """
+        tokens = keys.shape[2]
         if positions is None:
-            positions = torch.arange(keys.shape[2], device=keys.device)
+            positions = torch.arange(tokens, device=keys.device)
         if end is None:
             end = int(positions.max()) + 1
+        if self.bucketed:
+            keys, values, positions, token_scores, valid = padded_to_bucket(keys, values, positions, token_scores,
+                                                                            valid)
+            projected_keys = None
         self._check_inputs(layer, observation, token_scores)
         self._follow(keys.device)
         module = attention_module(model, layer)
@@ -151,8 +162,15 @@ class Scorer:
             positions = positions.expand(*keys.shape[:2], -1).contiguous()
         viewed = projected_keys.float() if projected_keys is not None and self.key_view == "pre_rope" \
             and not self.is_compiled else None
-        return self.layer_logits(model, module, layers, keys, values, positions, end,
-                                 observation, token_scores, gram, rotation, viewed)
+        if not self.bucketed:
+            return self.layer_logits(model, module, layers, keys, values, positions, end,
+                                     observation, token_scores, gram, rotation, viewed, valid)
+        if self.is_compiled:  # the length a tensor: an int input would record a CUDA graph per value
+            end = torch.tensor(end, device=keys.device)
+            torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs were copied out: overwrite them
+        logits = self.layer_logits(model, module, layers, keys, values, positions, end, observation, token_scores,
+                                   gram, rotation, viewed, valid)
+        return logits[..., :tokens].clone()  # a copy: the graph's next replay writes over its output
 
     def _check_inputs(self, layer: int, observation: Observation | None, token_scores: torch.Tensor | None) -> None:
         """A one-line CurKVError if layer ``layer`` lacks what this scorer's family reads besides K and V."""
@@ -215,12 +233,14 @@ class Scorer:
                      keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int,
                      observation: Observation | None,
                      token_scores: torch.Tensor | None, gram: torch.Tensor | None = None,
-                     rotation: torch.Tensor | None = None, viewed_keys: torch.Tensor | None = None) -> torch.Tensor:
+                     rotation: torch.Tensor | None = None, viewed_keys: torch.Tensor | None = None,
+                    valid: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor work of :meth:`score_layer` (features, key view, estimator) for the layer whose attention
         module is ``module`` and index ``layers`` (a (1,) tensor, or a slice of one layer): what :meth:`compiled`
         compiles, in one graph when the layer's :func:`~curkv_train.core.features.output_gram` and the round's
         :func:`~curkv_train.core.features.future_rotation` come in as ``gram`` and ``rotation``; ``viewed_keys``: the keys
-        in the scorer's key view if the caller has them. Returns (batch, kv_heads, tokens) float32 logits.
+        in the scorer's key view if the caller has them; ``valid`` as :meth:`score_layer`'s. Returns (batch, kv_heads,
+        tokens) float32 logits.
 
         ``layers`` may also pick L' layers (:meth:`score_layers`) whose inputs are stacked along the batch, layer i's
         batch rows first: their logits come back stacked the same way, (L'·batch, kv_heads, tokens)."""
@@ -232,7 +252,7 @@ class Scorer:
         features = None
         if "query_features" in self.estimator.needs:
             features = per_layer(self.estimator.query_features(model, module, keys, values, positions, end, observation,
-                                                               gram, rotation, self.matmul_precision))
+                                                               gram, rotation, self.matmul_precision, valid))
         if viewed_keys is None:
             viewed_keys = key_view(model, keys, positions, self.key_view, end)
         inputs = EstimatorInputs(per_layer(viewed_keys), per_layer(values.float()), positions, end,
@@ -256,6 +276,42 @@ class Scorer:
         copy = replace(self)
         copy.layer_logits = torch.compile(copy.layer_logits, dynamic=True)
         return copy
+
+    def graphed(self) -> "Scorer":
+        """A copy of this scorer (sharing its estimator) that scores through ``torch.compile``'s ``reduce-overhead``
+        mode: on a GPU each scoring is the replay of a CUDA graph, one launch for its hundreds of operators. A graph
+        is recorded for every distinct set of integer inputs, so the widths are padded to :func:`bucket_width` (four
+        per doubling of the held tokens, at most a quarter of them padding) and the length comes in as a tensor: a
+        decode that re-compresses every interval replays a few graphs rather than recording one per compression.
+        One compilation, as :meth:`compiled`; on a CPU the same fused kernels without graphs."""
+        copy = replace(self, bucketed=True)
+        copy.layer_logits = torch.compile(copy.layer_logits, dynamic=True, mode="reduce-overhead")
+        return copy
+
+
+def bucket_width(tokens: int) -> int:
+    """The width a bucketed scorer pads ``tokens`` to: at least 64, else the next multiple of a quarter of the
+    largest power of two not above ``tokens`` (four widths per doubling; the padding is under a quarter)."""
+    if tokens <= 64:
+        return 64
+    step = 1 << (tokens.bit_length() - 3)
+    return -(-tokens // step) * step
+
+
+def padded_to_bucket(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     token_scores: torch.Tensor | None, valid: torch.Tensor | None) -> tuple:
+    """Keys, values (batch, kv_heads, tokens, head_dim), per-head positions, stored scores and the ``valid`` mask
+    (batch, kv_heads, tokens) widened to :func:`bucket_width`: the padding repeats the last token, masked."""
+    batch, heads, tokens = keys.shape[:3]
+    width = bucket_width(tokens)
+    positions = positions.expand(batch, heads, tokens)
+    if valid is None:
+        valid = torch.ones(batch, heads, tokens, dtype=torch.bool, device=keys.device)
+    index = torch.arange(width, device=keys.device).clamp_max(tokens - 1)
+    pad = torch.zeros(batch, heads, width - tokens, dtype=torch.bool, device=keys.device)
+    scores = None if token_scores is None else token_scores.index_select(2, index)
+    return (keys.index_select(2, index), values.index_select(2, index), positions.index_select(2, index), scores,
+            torch.cat([valid, pad], dim=2))
 
 
 def layer_index(layer: int, device: torch.device) -> torch.Tensor:

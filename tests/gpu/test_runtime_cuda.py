@@ -133,3 +133,27 @@ def test_a_prefill_observation_never_waits_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert observation.statistics.count == 296
+
+
+def test_scoring_through_cuda_graphs_generates_what_eager_scoring_does(models):
+    """ComputeConfig(scoring_graphs=True) on the device: every compression, the decode's included, replays a CUDA
+    graph of one of a few bucketed widths; the tokens are the eager cache's."""
+    from curkv_train.runtime.scorer import bucket_width
+
+    model, ids = models["cuda"], prompt(300, "cuda")
+    tokens, widths = [], []
+    for graphs in (False, True):
+        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5,
+                           tiers=TierConfig(allocation="joint"), compute=ComputeConfig(scoring_graphs=graphs))
+        if graphs:
+            graphed = cache.scorer.layer_logits
+
+            def spy(model, module, layers, keys, *rest):
+                widths.append(keys.shape[2])
+                return graphed(model, module, layers, keys, *rest)
+
+            cache.scorer.layer_logits = spy
+        tokens.append(greedy(model, ids, cache, new=160))
+    assert torch.equal(tokens[1], tokens[0])
+    assert len(widths) > 4 and all(width == bucket_width(width) for width in widths)
+    assert len(set(widths)) < len(widths)  # graphs replayed, not one recorded per compression

@@ -110,7 +110,7 @@ def test_attention_runs_over_held_tokens_at_true_positions(model, scorer):
 class OldestFirstCache(CurKVCache):
     """Scores the oldest tokens highest, so what recent_share adds is told apart from the score's choice."""
 
-    def _score(self, layer, keys, values, positions, end, observation, token_scores, projected_keys=None):
+    def _score(self, layer, keys, values, positions, end, observation, token_scores, projected_keys=None, valid=None):
         return -positions.float()
 
 

@@ -76,3 +76,31 @@ def test_compiled_medium_precision_logits_equal_the_eager_medium_ones(model):
     eager = scorer.score_layer(model, 1, **inputs)
     assert not torch.equal(eager, dataclasses.replace(scorer, matmul_precision="highest").score_layer(model, 1, **inputs))
     torch.testing.assert_close(scorer.compiled().score_layer(model, 1, **inputs), eager, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_scoring_through_graphs_generates_what_the_eager_one_does(model):
+    """ComputeConfig(scoring_graphs=True): torch.compile's reduce-overhead mode (CUDA graphs on a GPU; on a CPU the
+    same compiled kernels), every width a bucket and the length a tensor, so no integer input changes from one
+    compression to the next but the bucket: one compilation, the eager cache's tokens."""
+    from curkv_train.runtime.scorer import bucket_width
+
+    prompt = torch.randint(3, 512, (1, 200), generator=torch.Generator().manual_seed(0))
+    tokens, inputs = [], []
+    for graphs in (False, True):
+        cache = CurKVCache(family_scorer("query_aware"), model=model, keep_ratio=0.5,
+                           compute=ComputeConfig(scoring_graphs=graphs))
+        if graphs:
+            compiled = cache.scorer.layer_logits
+
+            def spy(model, module, layers, keys, values, positions, end, *rest):
+                inputs.append((keys.shape[2], isinstance(end, torch.Tensor)))
+                return compiled(model, module, layers, keys, values, positions, end, *rest)
+
+            cache.scorer.layer_logits = spy
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        tokens.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
+                                     do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None))
+    assert torch.equal(tokens[1], tokens[0])
+    assert len(inputs) > 2 and all(is_tensor and width == bucket_width(width) for width, is_tensor in inputs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

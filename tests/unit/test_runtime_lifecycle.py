@@ -171,7 +171,8 @@ def test_the_configs_keep_the_earlier_defaults_and_the_cache_few_parameters():
         "cold_channels": None, "cold_core": "optimal", "compensation": True, "compensation_ratio": 0.05,
         "scoring_batch_tokens": None, "allocation": None, "head_floor": None}  # None: the scorer's (its allocation's)
     assert dataclasses.asdict(ComputeConfig()) == {"backend": "auto", "factored_attention": True,
-                                                   "compile_scorer": False, "scorer_precision": None}
+                                                   "compile_scorer": False, "scorer_precision": None,
+                                                   "scoring_graphs": False}
     assert list(inspect.signature(CurKVCache).parameters) == [
         "scorer", "model", "keep_ratio", "max_tokens", "max_bytes", "layer_budget", "tiers", "compute"]
     with pytest.raises(dataclasses.FrozenInstanceError):
