@@ -76,7 +76,8 @@ class EvalConfig:
         kvpress_presses: comma-separated subset of kvpress's presses (streaming_llm, snapkv, tova, knorm,
             expected_attention, observed_attention, cur, leverage, random, compactor, criticalkv, keydiff, lagkv,
             pyramidkv: its own split across layers, adakv: ExpectedAttention's scores, the places shared by a layer's
-            heads, evicted keys masked in a whole cache); default every one the installed kvpress provides.
+            heads, evicted keys masked in a whole cache, kvzip: only when named, every layer and head sharing the
+            places by context reconstruction, masked); default every one the installed kvpress provides but kvzip.
         dtype: base model dtype. In half precision the reference and the rows run different kernels (one forward
             vs batches or chunks) and round differently: ratio 0.0 shows that floor.
         backend: kernel backend of the runtime caches (curkv_cache and the streaming rows).

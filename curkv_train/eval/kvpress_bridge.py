@@ -35,12 +35,14 @@ class PressSpec:
     """How the harness runs a press: kvpress's class ``cls`` (skipped where this kvpress lacks it) or one of
     :mod:`curkv_train.eval.baseline_presses`; ``eager``: it reads attention weights (the prefill runs eager);
     ``masked``: it hides evicted keys in a whole cache (:func:`masked_kept`) instead of dropping them; ``layered``:
-    its layers keep different counts (the model then runs the runtime's mask-fitting attention wrapper)."""
+    its layers keep different counts (the model then runs the runtime's mask-fitting attention wrapper);
+    ``named_only``: run only where ``--kvpress_presses`` names it (KVzip: two to three prefills per context)."""
 
     cls: str
     eager: bool = False
     masked: bool = False
     layered: bool = False
+    named_only: bool = False
 
 
 # kvpress's presses (``--kvpress_presses`` names) -> how to run them
@@ -60,6 +62,9 @@ PRESSES = {
     "lagkv": PressSpec("LagKVPress"),
     "pyramidkv": PressSpec("PyramidKVPress", layered=True),
     "adakv": PressSpec("AdaKVPress", masked=True),
+    # its places shared across every layer and head by context reconstruction (masked, as AdaKV); loads the
+    # tokenizer from the model's folder and refuses Gemma 3
+    "kvzip": PressSpec("KVzipPress", masked=True, named_only=True),
 }
 # our presses, for the baselines kvpress has no press of
 OWN_PRESSES = {"h2o": PressSpec("H2OPress", eager=True)}
@@ -85,13 +90,16 @@ def available_presses() -> list[str]:
 
 
 def select_presses(names: list[str] | None) -> list[str]:
-    """The installed presses among ``names`` (None: all), in :data:`PRESSES` order; a CurKVError for another name."""
+    """The installed presses among ``names`` (None: all but the :attr:`PressSpec.named_only` ones), in
+    :data:`PRESSES` order; a CurKVError for another name."""
     installed = available_presses()
     unknown = [name for name in names or [] if name not in installed]
     if unknown:
         raise CurKVError(f"unknown or unavailable kvpress press(es) {', '.join(map(repr, unknown))}; "
                          f"this kvpress provides: {', '.join(installed)}")
-    return [name for name in installed if names is None or name in names]
+    if names is None:
+        return [name for name in installed if not PRESSES[name].named_only]
+    return [name for name in installed if name in names]
 
 
 def press_ratio(context_length: int, compression_ratio: float, *, n_sink: int, window: int, budget: str) -> float:
@@ -121,7 +129,7 @@ def make_press(name: str, compression_ratio: float, *, n_sink: int, window: int,
                                                                       n_sink=n_sink, use_vnorm=False))
     extra = {"streaming_llm": {"n_sink": n_sink}, "expected_attention": {"n_sink": n_sink},
              "cur": {"num_sinks": n_sink}, "snapkv": {"window_size": max(1, window)}, "random": {"seed": seed},
-             "lagkv": {"n_sink": n_sink}, "compactor": {"sink_size_start": n_sink},
+             "lagkv": {"n_sink": n_sink}, "compactor": {"sink_size_start": n_sink}, "kvzip": {"n_sink": n_sink},
              "pyramidkv": {"window_size": max(1, window)}}
     return getattr(kvpress, PRESSES[name].cls)(compression_ratio=compression_ratio, **extra.get(name, {}))
 
@@ -204,8 +212,11 @@ def press_cache(model: PreTrainedModel, spec: PressSpec, press: BasePress, conte
         press.press.post_init_from_model(model)  # kvpress calls the wrapper's own (a no-op), not its press's
     with _eager(model, spec.eager):
         started = clock()
-        with on_full_layers(model, press), press(model):  # a hybrid model's sliding-window layers left whole
-            model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True)
+        try:
+            with on_full_layers(model, press), press(model):  # a hybrid model's sliding-window layers left whole
+                model.get_decoder()(input_ids=context_ids, past_key_values=cache, use_cache=True)
+        except ValueError as error:  # kvpress refuses a model it does not support (KVzip: Gemma 3) with one
+            raise CurKVError(f"kvpress's {type(press).__name__} refused {type(model).__name__}: {error}") from error
         return cache, clock() - started
 
 

@@ -88,3 +88,13 @@ def test_a_pressed_hybrid_cache_continues_in_one_forward_as_token_by_token(gemma
                                position_ids=position[None], cache_position=position).logits.float())
     torch.testing.assert_close(continuation_logits(gemma, cache, continuation, TOKENS), torch.cat(parts, dim=1),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_kvpress_refusing_a_model_is_one_line(gemma):
+    """kvpress 0.5.5's KVzip refuses Gemma 3: the harness says so in one line, naming the press and the model."""
+    from curkv_train.core.errors import CurKVError
+
+    press = kvpress_bridge.make_press("kvzip", 0.5, n_sink=4, window=8, seed=0)
+    with pytest.raises(CurKVError, match="KVzipPress refused Gemma3ForCausalLM") as refused:
+        kvpress_bridge.press_cache(gemma, kvpress_bridge.PRESSES["kvzip"], press, prompt(TOKENS), seed=0)
+    assert "\n" not in str(refused.value)
