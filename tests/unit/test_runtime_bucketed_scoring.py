@@ -114,3 +114,15 @@ def test_a_bucketed_cache_generates_what_the_exact_one_does_through_fewer_widths
     assert len(widths[True]) == len(widths[False]) >= 7
     assert all(width == bucket_width(exact) for width, exact in zip(widths[True], widths[False]))
     assert len(set(widths[True])) < len(set(widths[False]))  # fewer graphs to record than compressions
+
+
+def test_a_graphed_scorer_pads_and_a_cache_takes_a_compiled_scorer_as_it_is():
+    from curkv_train.runtime import ComputeConfig
+    from curkv_train.runtime.cache import compute_scorer
+
+    scorer = family_scorer("query_aware")
+    graphed = compute_scorer(scorer, ComputeConfig(scoring_graphs=True))  # compiles lazily: nothing runs here
+    assert graphed.bucketed and graphed.is_compiled and not scorer.bucketed and not scorer.is_compiled
+    assert compute_scorer(graphed, ComputeConfig(scoring_graphs=True)) is graphed  # one compilation, shared
+    assert compute_scorer(graphed, ComputeConfig()) is graphed
+    assert compute_scorer(scorer, ComputeConfig()) is scorer
