@@ -113,7 +113,7 @@ def evaluate_example(model: PreTrainedModel, example: TaskExample, methods: dict
                 cache, seconds = kvpress_bridge.press_cache(model, method.spec, press, context_ids, seed)
                 entry = _Entry(name, cache, {**cache_budget(cache, length), "prefill_seconds": seconds})
                 if method.spec.masked:  # its masks live on the model until the next prefill: continue now
-                    entry.budget["kept_tokens"] = kvpress_bridge.masked_kept(model, length)
+                    entry.budget["kept_tokens"] = kvpress_bridge.masked_kept(model, cache)
                     entry.sums, entry.cache = measure(kvpress_bridge.masked_continuation(model, cache,
                                                                                          continuation_ids)), None
                 entries.append(entry)

@@ -220,14 +220,16 @@ def press_cache(model: PreTrainedModel, spec: PressSpec, press: BasePress, conte
         return cache, clock() - started
 
 
-def masked_kept(model: PreTrainedModel, context_length: int) -> float:
-    """Mean tokens per (layer, KV head) a masked press leaves visible after a prefill of ``context_length`` tokens
-    (kvpress records the hidden ones per attention module, ``masked_key_indices``)."""
+def masked_kept(model: PreTrainedModel, cache: DynamicCache) -> float:
+    """Mean tokens per (layer, KV head) a masked press leaves visible in the ``cache`` its prefill filled: what each
+    layer holds (a hybrid model's sliding-window layers their window), less the keys kvpress hides (recorded per
+    attention module, ``masked_key_indices``)."""
     config = text_config(model.config)
     heads = config.num_key_value_heads
     hidden = [len(module.masked_key_indices[0]) for module in attention_modules(model)
               if getattr(module, "masked_key_indices", None) is not None]
-    return context_length - sum(hidden) / (heads * config.num_hidden_layers)
+    held = sum(layer.keys.shape[2] for layer in cache.layers)
+    return held / len(cache.layers) - sum(hidden) / (heads * config.num_hidden_layers)
 
 
 @torch.no_grad()

@@ -127,7 +127,7 @@ def test_adakv_hides_keys_per_head_and_its_masks_do_not_outlive_its_row(model):
     hidden = [module.masked_key_indices for module in modules]
     per_head = torch.bincount(hidden[0][1], minlength=2)
     assert per_head.sum() == 2 * (CONTEXT - MATCHED_KEPT) and per_head[0] != per_head[1]  # heads share the places
-    assert kvpress_bridge.masked_kept(model, CONTEXT) == MATCHED_KEPT
+    assert kvpress_bridge.masked_kept(model, cache) == MATCHED_KEPT
     logits = kvpress_bridge.masked_continuation(model, cache, ids[:, CONTEXT:])
     assert logits.shape[:2] == (1, CONTINUATION)
     assert all(module.masked_key_indices is None for module in modules)

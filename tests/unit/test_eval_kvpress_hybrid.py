@@ -98,3 +98,18 @@ def test_kvpress_refusing_a_model_is_one_line(gemma):
     with pytest.raises(CurKVError, match="KVzipPress refused Gemma3ForCausalLM") as refused:
         kvpress_bridge.press_cache(gemma, kvpress_bridge.PRESSES["kvzip"], press, prompt(TOKENS), seed=0)
     assert "\n" not in str(refused.value)
+
+
+def test_a_masked_press_on_a_hybrid_model_counts_the_sliding_layers_windows(gemma):
+    """AdaKV hides keys in the full layers only: the tokens it leaves visible, averaged over every layer, are the
+    sliding layers' windows and the full layers' context less what it hides (as the dropping presses count)."""
+    press = kvpress_bridge.make_press("adakv", 0.5, n_sink=4, window=8, seed=0)
+    cache = kvpress_bridge.press_cache(gemma, kvpress_bridge.PRESSES["adakv"], press, prompt(TOKENS), seed=0)[0]
+    hidden = sum(len(module.masked_key_indices[0]) for module in attention_modules(gemma)
+                 if getattr(module, "masked_key_indices", None) is not None)
+    assert hidden > 0
+    expected = (2 * (SLIDING_WINDOW - 1) + 2 * TOKENS - hidden) / 4  # one KV head
+    assert kvpress_bridge.masked_kept(gemma, cache) == pytest.approx(expected)
+    assert kvpress_bridge.masked_kept(gemma, cache) < (2 * (SLIDING_WINDOW - 1) + 2 * TOKENS) / 4
+    for module in attention_modules(gemma):
+        module.masked_key_indices = None
