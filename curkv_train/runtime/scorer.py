@@ -234,7 +234,7 @@ class Scorer:
                      observation: Observation | None,
                      token_scores: torch.Tensor | None, gram: torch.Tensor | None = None,
                      rotation: torch.Tensor | None = None, viewed_keys: torch.Tensor | None = None,
-                    valid: torch.Tensor | None = None) -> torch.Tensor:
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor work of :meth:`score_layer` (features, key view, estimator) for the layer whose attention
         module is ``module`` and index ``layers`` (a (1,) tensor, or a slice of one layer): what :meth:`compiled`
         compiles, in one graph when the layer's :func:`~curkv_train.core.features.output_gram` and the round's
