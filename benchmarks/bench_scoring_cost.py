@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_scoring_cost.py [--base embedded:smollm2-135m-instruct] [--scorer smollm2-135m]
        [--contexts 1024,4096] [--repeats 5] [--threads 2] [--device cpu] [--dtype float32]
        [--random-weights] [--layers N] [--compile] [--skip-features NAMES] [--feature-backend auto]
-       [--scorer-precision highest] [--scoring-batch-tokens N]
+       [--scorer-precision highest] [--scoring-batch-tokens N] [--decode-steps N]
 
 Both prefills compute the last token's logits only, as ``generate`` does. For each context length it prints the
 median plain prefill and what the cache (keep 0.5, dense tiers) adds, as shares of it: observing (the hooks'
@@ -18,7 +18,9 @@ JSON line per context. A host check at start and end (:func:`timing.product_ms`)
 ``Scorer.compiled()``. ``--skip-features NAMES`` replaces those query features by constants (cost only).
 ``--feature-backend torch`` keeps the features off the fused Triton kernels that ``auto`` takes on CUDA.
 ``--scorer-precision medium`` scores with bfloat16 products and also prints how far the scores move from
-``highest``. The timing hooks live in this script; docs/runtime.md ("Costs") has the measured figures.
+``highest``. ``--decode-steps N`` also counts the operators a decode step through the cache adds per layer, over N
+greedy steps after the prefill (its re-compressions included). The timing hooks live in this script;
+docs/runtime.md ("Costs") has the measured figures.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from curkv_train.models.configs import load_model_config
 from curkv_train.models.families import build_estimator
 from curkv_train.runtime import CurKVCache, Scorer, TierConfig, load_scorer
 from curkv_train.runtime.layer import CurKVLayer
-from operator_count import added_per_layer  # beside this script
+from operator_count import added_per_layer, decode_added_per_layer  # beside this script
 from timing import FAULTS, TIMERS, clock, product_ms, timed  # benchmarks/timing.py, beside this script
 
 
@@ -201,6 +203,13 @@ def operators_added(model, scorer: Scorer, context: int, batch_tokens: int | Non
     return added_per_layer(model, lambda: CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=tiers), context)
 
 
+def decode_operators_added(model, scorer: Scorer, context: int, steps: int, allocation: str | None = None) -> dict:
+    """Aten operators and Triton launches per layer and decode step that a CurKVCache adds (operator_count.py)."""
+    tiers = TierConfig(allocation=allocation)
+    return decode_added_per_layer(model, lambda: CurKVCache(scorer, model=model, keep_ratio=0.5, tiers=tiers),
+                                  context, steps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="embedded:smollm2-135m-instruct")
@@ -222,6 +231,8 @@ def main() -> None:
                         "default: the allocation's, 4096 per_head, 131072 joint)")
     parser.add_argument("--scorer-precision", default="highest", choices=["highest", "medium"],
                         help="the query features' products: float32 (highest) or from bfloat16 operands (medium)")
+    parser.add_argument("--decode-steps", type=int, default=0,
+                        help="also count the operators a decode step adds, over this many steps")
     parser.add_argument("--allocation", default=None, choices=["per_head", "joint"],
                         help="CurKVCache's allocation (default: the one the scorer was trained under)")
     args = parser.parse_args()
@@ -250,6 +261,9 @@ def main() -> None:
                "scoring_batch_tokens": args.scoring_batch_tokens, "skipped_features": skipped,
                "feature_backend": args.feature_backend}
         row["operators"] = operators_added(model, scorer, context, args.scoring_batch_tokens, args.allocation)
+        if args.decode_steps:
+            row["decode_operators"] = decode_operators_added(model, scorer, context, args.decode_steps,
+                                                             args.allocation)
         rows.append(row)
         print(f"{context:>8} {row['plain_prefill_s']:>10.3f} {row['cache_prefill_s']:>9.3f} "
               f"{row['observe_share']:>8.1%} {row['score_share']:>8.1%} {row['select_share']:>8.1%} "
@@ -264,6 +278,12 @@ def main() -> None:
         print(f"{row['context']:>8}: the cache adds {operators['operators_per_layer']:.1f} operators per layer "
               f"({operators['aten_per_layer']:.1f} aten, {operators['triton_per_layer']:.1f} Triton launches; "
               f"the plain prefill dispatches {operators['plain_aten_per_layer']:.1f} aten operators per layer)")
+        if "decode_operators" in row:
+            decode = row["decode_operators"]
+            print(f"{row['context']:>8}: a decode step adds {decode['operators_per_layer_step']:.1f} operators per "
+                  f"layer ({decode['aten_per_layer_step']:.1f} aten, {decode['triton_per_layer_step']:.1f} Triton "
+                  f"launches; the plain step dispatches {decode['plain_aten_per_layer_step']:.1f} aten operators per "
+                  f"layer), over {decode['steps']} steps")
     for row in rows:
         print(json.dumps(row))
 

@@ -1,4 +1,5 @@
-"""Count what a CurKVCache prefill dispatches beyond a plain one: aten operators and Triton launches, per layer.
+"""Count what a CurKVCache prefill, or decode step, dispatches beyond a plain one: aten operators and Triton
+launches, per layer.
 
 On a GPU each aten operator is a kernel launch or a sync point, so the count says what scoring
 costs where it is launch-bound, measured on any machine. Views and metadata-only operators
@@ -79,3 +80,25 @@ def added_per_layer(model: PreTrainedModel, make_cache, context: int, seed: int 
     return {"context": context, "aten_per_layer": aten, "triton_per_layer": triton, "operators_per_layer": aten + triton,
             "plain_aten_per_layer": plain,
             "top_added": (runs["cache"][0] - runs["plain"][0]).most_common(8)}
+
+
+@torch.no_grad()
+def decode_added_per_layer(model: PreTrainedModel, make_cache, context: int, steps: int, seed: int = 0) -> dict:
+    """What ``steps`` greedy decode steps through ``make_cache()`` dispatch beyond the same steps through a
+    DynamicCache, per decoder layer and step, after a prefill of ``context`` random tokens (the re-compressions
+    among the steps included): ``operators`` (aten operators and Triton launches) and each apart."""
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
+    runs = {}
+    for name, build in (("plain", lambda: DynamicCache(config=model.config)), ("cache", make_cache)):
+        cache = build()
+        token = model(ids.to(model.device), past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        with counting_triton_launches() as launches, OperatorCounter() as counter:
+            for _ in range(steps):
+                token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        runs[name] = (counter.counts, launches)
+    per_step = model.config.num_hidden_layers * steps
+    aten = (sum(runs["cache"][0].values()) - sum(runs["plain"][0].values())) / per_step
+    triton = (sum(runs["cache"][1].values()) - sum(runs["plain"][1].values())) / per_step
+    return {"context": context, "steps": steps, "aten_per_layer_step": aten, "triton_per_layer_step": triton,
+            "operators_per_layer_step": aten + triton,
+            "plain_aten_per_layer_step": sum(runs["plain"][0].values()) / per_step}
