@@ -8,7 +8,7 @@ import torch
 import torch._dynamo
 
 from curkv_train.runtime import ComputeConfig, CurKVCache
-from runtime_helpers import family_scorer
+from runtime_helpers import family_scorer, greedy
 
 pytestmark = [
     pytest.mark.integration,  # compiling takes tens of seconds on a CPU
@@ -61,8 +61,7 @@ def test_a_cache_with_a_compiled_scorer_generates_what_the_eager_one_does(model)
         cache.scorer.score_layer = spy
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        tokens.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
-                                     do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None))
+        tokens.append(greedy(model, prompt, cache, new=40))
     assert torch.equal(tokens[1], tokens[0])
     # the prefill's compression scores shared positions, the later ones each head's own: still one graph
     assert compressions[:2] == [1, 3] and len(compressions) > 2
@@ -99,8 +98,7 @@ def test_a_cache_scoring_through_graphs_generates_what_the_eager_one_does(model)
             cache.scorer.layer_logits = spy
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        tokens.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
-                                     do_sample=False, past_key_values=cache, pad_token_id=0, eos_token_id=None))
+        tokens.append(greedy(model, prompt, cache, new=40))
     assert torch.equal(tokens[1], tokens[0])
     assert len(inputs) > 2 and all(is_tensor and width == bucket_width(width) for width, is_tensor in inputs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
