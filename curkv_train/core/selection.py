@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -158,26 +159,76 @@ def joint_floor_count(num_compressible: int, num_heads: int, keep_ratio: float, 
     return min(math.ceil(head_floor * keep_ratio * num_compressible - 1e-9), total // num_heads)
 
 
-def joint_keep_mask(scores: torch.Tensor, keep_ratio: float, head_floor: float) -> torch.Tensor:
+def check_budget_prior(budget_prior: float) -> float:
+    """``budget_prior`` as a float in [0, 1], else a one-line CurKVError."""
+    if isinstance(budget_prior, (str, bool)) or not 0.0 <= float(budget_prior) <= 1.0:
+        raise CurKVError(f"budget_prior must be in [0, 1] (0: the scores alone split the memory across layers, 1: "
+                         f"the calibrated layer budget does), got {budget_prior!r}")
+    return float(budget_prior)
+
+
+def prior_floor_counts(num_compressible: int, heads: int, keep_ratio: float, head_floor: float,
+                       layer_ratios: Sequence[float], budget_prior: float) -> list[int]:
+    """Per layer, the compressible tokens each of its ``heads`` KV heads keeps whatever the joint ranking says, when
+    a calibrated layer budget is the joint allocation's prior.
+
+    The floor's share of a layer's tokens mixes the head floor and the budget: ⌊((1 − w)·floor·ρ + w·r_l)·n⌋, with
+    w = ``budget_prior`` and r_l the budget's keep ratio of layer l (mean ρ). The floors never ask for more than
+    the joint total: Σ_l heads·((1 − w)·floor·ρ + w·r_l)·n ≤ ρ·N. At w = 1 they are the total, so every layer
+    holds the budget's split and only the heads within a layer share by score (beyond the floor's rounding).
+
+    Args:
+        num_compressible: n, compressible tokens per (layer, KV head).
+        heads: KV heads per layer.
+        keep_ratio: ρ, the mean keep share of the compressible tokens.
+        head_floor: :func:`check_head_floor`'s floor.
+        layer_ratios: per layer, the budget's keep ratio at ρ (:meth:`~curkv_train.runtime.allocation.LayerBudget.ratios`).
+        budget_prior: w in [0, 1].
+    """
+    shares = [(1.0 - budget_prior) * head_floor * keep_ratio + budget_prior * ratio for ratio in layer_ratios]
+    # 1e-6: a share the bisection left a hair above its exact value does not round a token up
+    return [max(0, min(num_compressible, math.floor(share * num_compressible - 1e-6))) for share in shares]
+
+
+def joint_keep_mask(scores: torch.Tensor, keep_ratio: float, head_floor: float,
+                    layer_floors: Sequence[int] | None = None) -> torch.Tensor:
     """Joint allocation: per example, the top ⌈ρ·N⌉ of all N compressible tokens of every layer and KV head.
 
-    Each (layer, KV head) first keeps its own top :func:`joint_floor_count` tokens, so no head is emptied;
-    the rest of the ⌈ρ·N⌉ places go to the highest scores wherever they are. Scores must share one scale
-    across heads and layers for this to mean anything.
+    Each (layer, KV head) first keeps its own top :func:`joint_floor_count` tokens (or ``layer_floors[l]``, for
+    a prior on the layers' shares: :func:`prior_floor_counts`), so no head is emptied; the rest of the ⌈ρ·N⌉
+    places go to the highest scores wherever they are. Scores must share one scale across heads and layers for
+    this to mean anything.
 
     Args:
         scores: (layers, batch, kv_heads, n) scores of the compressible tokens, higher = more worth keeping.
         keep_ratio: ρ over all N = layers · kv_heads · n compressible tokens of an example.
         head_floor: share of a head's ⌈ρ·n⌉ it keeps whatever the others score, in [0, 1].
+        layer_floors: per layer, the tokens each of its heads keeps first; None: the head floor's count.
 
     Returns:
         (layers, batch, kv_heads, n) 0/1 float mask, summing to ⌈ρ·N⌉ over each example.
     """
     layers, batch, heads, tokens = scores.shape
     ranked = scores.detach().float()
-    floor = joint_floor_count(tokens, layers * heads, keep_ratio, head_floor)
-    if floor > 0:  # the floor's tokens outrank every other one
-        ranked = ranked.scatter(-1, ranked.topk(floor, dim=-1).indices, float("inf"))
+    if layer_floors is None:
+        floor = joint_floor_count(tokens, layers * heads, keep_ratio, head_floor)
+        if floor > 0:  # the floor's tokens outrank every other one
+            ranked = ranked.scatter(-1, ranked.topk(floor, dim=-1).indices, float("inf"))
+    else:
+        ranked = _raise_floors(ranked, layer_floors)
     flat = ranked.transpose(0, 1).reshape(batch, -1)
     mask = torch.zeros_like(flat).scatter_(-1, flat.topk(kept_count(flat.shape[-1], keep_ratio), dim=-1).indices, 1.0)
     return mask.reshape(batch, layers, heads, tokens).transpose(0, 1).to(scores.dtype)
+
+
+def _raise_floors(ranked: torch.Tensor, layer_floors: Sequence[int]) -> torch.Tensor:
+    """``ranked`` (layers, batch, kv_heads, n) with each head's top ``layer_floors[l]`` raised to +inf."""
+    if len(layer_floors) != ranked.shape[0]:
+        raise CurKVError(f"joint selection got {len(layer_floors)} layer floors for {ranked.shape[0]} layers")
+    most = max(layer_floors, default=0)
+    if most <= 0:
+        return ranked
+    top = ranked.topk(most, dim=-1)
+    floors = torch.tensor(layer_floors, device=ranked.device).view(-1, 1, 1, 1)
+    raised = torch.where(torch.arange(most, device=ranked.device) < floors, float("inf"), top.values)
+    return ranked.scatter(-1, top.indices, raised)

@@ -12,6 +12,7 @@ the scorer's count, chosen by the rule's scores. Same tiers, counts, storage and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ from curkv_train.runtime.ragged_layer import RaggedCurKVLayer
 from curkv_train.runtime.scorer import Scorer
 
 RAGGED = "curkv_ragged"
+PRIOR = "@prior"
 SAME = "same:"
 # kvpress presses whose scores a rule row reads (their score() depends on no compression ratio); h2o is ours
 ALLOCATED_RULES = ("snapkv", "expected_attention", "tova", "knorm", "cur", "compactor", "keydiff", "lagkv", "h2o")
@@ -136,6 +138,11 @@ class AllocatedRows:
     rules: tuple[str, ...]
     tiers: TierConfig
     backend: str = "auto"
+    budget_prior: float = 0.0  # > 0: also the row curkv_ragged@prior, its layer budget weighed in (TierConfig)
+
+    def own_rows(self) -> list[str]:
+        """The scorer's rows: ``curkv_ragged``, and ``curkv_ragged@prior`` with a budget prior."""
+        return [RAGGED, *([RAGGED + PRIOR] if self.budget_prior else [])]
 
     def scores(self, model: PreTrainedModel, context_ids: torch.Tensor, seed: int) -> dict[str, dict]:
         """rule -> its :func:`rule_scores` of the context (one prefill each, whatever the ratios)."""
@@ -154,6 +161,11 @@ class AllocatedRows:
         budget = prefill_budget(model, reference, context_ids)
         lengths = ragged_lengths(reference)
         out = [(RAGGED, continue_in_windows(model, reference, continuation_ids), budget)]
+        if self.budget_prior:
+            tiers = dataclasses.replace(self.tiers, budget_prior=self.budget_prior)
+            prior = CurKVCache(self.scorer, model, keep_ratio, tiers=tiers, compute=compute)
+            budget = prefill_budget(model, prior, context_ids)
+            out.append((RAGGED + PRIOR, continue_in_windows(model, prior, continuation_ids), budget))
         for rule in self.rules:
             cache = AllocatedCache(self.scorer, model, keep_ratio, scores=scores[rule], lengths=lengths,
                                    tiers=self.tiers, compute=compute)

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from curkv_train.core.errors import CurKVError
+from curkv_train.core.selection import check_budget_prior
 from curkv_train.core.shapes import text_config
 from curkv_train.eval.allocated import ALLOCATED_RULES, RAGGED, SAME, AllocatedRows, one_prefill
 from curkv_train.eval.harness import EvalSettings, evaluate
@@ -101,6 +102,9 @@ class EvalConfig:
             the prefill once under its joint allocation (ragged heads); the summary then is about ``curkv_ragged``,
             and a second one sets it against these rows alone. Default: all of them for a scorer trained under the
             joint allocation, none for another; ``none``: none.
+        budget_prior: prefill tasks, with the rows at the scorer's allocation: also the row ``curkv_ragged@prior``,
+            the same cache with its calibrated layer budget weighed into the joint allocation at this weight
+            (``TierConfig.budget_prior``, docs/runtime.md "The layer budget as a prior"); 0: no such row.
         rule_budgets: prefill tasks: ``RULE=FILE`` entries (``curkv-train calibrate --method RULE --out FILE``): the
             baseline RULE also runs at its own calibrated layer budget, row ``RULE@own``.
         scorer_precision: every scorer's query-feature products: ``highest`` (float32, as trained) or ``medium``
@@ -138,6 +142,7 @@ class EvalConfig:
     budget_baselines: bool = False
     same_allocation: NameList | None = None
     rule_budgets: str | None = None
+    budget_prior: float = 0.0
     scorer_precision: Literal["highest", "medium"] = "highest"
 
 
@@ -185,7 +190,7 @@ def run_eval(config: EvalConfig) -> Path:
                     for rule, budget in rule_budgets.items()})
     allocated = _allocated_rows(config, scorers[main.method] if main else None, spans)
     if allocated is not None:
-        ours, not_baselines = RAGGED, (*not_baselines, main.method)
+        ours, not_baselines = RAGGED, (*not_baselines, main.method, *allocated.own_rows()[1:])
     results = evaluate(model, task_examples, presses, settings, progress=progress, cache_methods=cache_methods,
                        ours=ours, not_baselines=not_baselines, allocated=allocated)
     if stream is not None:
@@ -199,7 +204,7 @@ def run_eval(config: EvalConfig) -> Path:
                                            "n_sink": settings.n_sink, "window": settings.window,
                                            "trained": entry.family is None} for entry in entries},
                 "base": base, "tasks": tasks, "methods": [*presses, *cache_methods, *(
-                    [RAGGED, *(SAME + rule for rule in allocated.rules)] if allocated else [])],
+                    [*allocated.own_rows(), *(SAME + rule for rule in allocated.rules)] if allocated else [])],
                 "n_sink": settings.n_sink,
                 "window": settings.window, "passkey_lengths": lengths, "kvpress_presses": settings.kvpress_presses,
                 "data": {"recipe": recipe.origin, "sources": recipe.record(),
@@ -223,6 +228,9 @@ def _allocated_rows(config: EvalConfig, main: Scorer | None, spans: tuple[int, i
     names = list(config.same_allocation) if config.same_allocation is not None else (
         list(ALLOCATED_RULES) if main is not None and main.allocation == "joint" else [])
     if names == ["none"] or not names or not any(task in TASKS for task in config.tasks):
+        if config.budget_prior:
+            raise CurKVError("--budget_prior adds a row beside the rules at the scorer's allocation: pass a joint "
+                             "scorer, a prefill task and --same_allocation")
         return None
     if main is None:
         raise CurKVError("--same_allocation runs rules at a scorer's allocation: pass --scorer")
@@ -230,7 +238,8 @@ def _allocated_rows(config: EvalConfig, main: Scorer | None, spans: tuple[int, i
     if unknown:
         raise CurKVError(f"unknown rule(s) {', '.join(map(repr, unknown))} for --same_allocation; expected "
                          f"{', '.join(ALLOCATED_RULES)} or none")
-    return AllocatedRows(main, tuple(names), one_prefill(*spans, config.continuation_length), config.backend)
+    tiers = one_prefill(*spans, config.continuation_length)
+    return AllocatedRows(main, tuple(names), tiers, config.backend, check_budget_prior(config.budget_prior))
 
 
 def _resolve_base(scorer: str, base: str | None, trained: dict, main: ScorerEntry | None) -> tuple[str, object]:

@@ -120,6 +120,29 @@ def resolved_tiers(tiers: TierConfig, scorer: Scorer) -> TierConfig:
                                scoring_batch_tokens=(default_scoring_batch_tokens(allocation) if batch is None
                                                      else batch))
 
+def layer_budgets(tiers: TierConfig, choice: str | LayerBudget, scorer: Scorer) -> tuple[LayerBudget | None,
+                                                                                        LayerBudget | None]:
+    """(the per-head allocation's layer split, the joint allocation's prior budget) that the cache's
+    ``layer_budget`` argument ``choice`` gives under ``tiers`` (resolved); one-line CurKVErrors for a budget the
+    allocation cannot take."""
+    if tiers.allocation != "joint":
+        if tiers.budget_prior:
+            raise CurKVError("budget_prior weighs a layer budget into the joint allocation; this cache's allocation "
+                             "is per_head, which takes the budget itself (layer_budget)")
+        return resolve_layer_budget(choice, scorer), None
+    if not tiers.budget_prior:
+        if isinstance(choice, LayerBudget):
+            raise CurKVError("allocation='joint' decides each layer's share from the scores: a layer budget enters "
+                             "only as a prior (TierConfig(budget_prior=...)), or pass TierConfig(allocation='per_head')")
+        resolve_layer_budget(choice, scorer)
+        return None, None
+    prior = resolve_layer_budget(choice, scorer)
+    if prior is None:
+        raise CurKVError("budget_prior needs a layer budget: calibrate the scorer (curkv-train calibrate) or pass "
+                         "layer_budget=LayerBudget(...), not 'uniform'")
+    return None, prior
+
+
 def compute_scorer(scorer: Scorer, compute: ComputeConfig) -> Scorer:
     """``scorer`` as ``compute`` runs it: through CUDA graphs (:meth:`Scorer.graphed`), compiled, or eager. A scorer
     compiled already is taken as it is: pass one made by :meth:`Scorer.graphed` or :meth:`Scorer.compiled` to every
@@ -158,8 +181,9 @@ class CurKVCache(Cache):
         layer_budget: how ρ is split across layers: ``"scorer"`` (default) the scorer's calibrated
             :class:`~curkv_train.runtime.allocation.LayerBudget` when it has one (``curkv-train
             calibrate``), else one ratio for every layer, and under the joint allocation none (the scores
-            decide each layer's share); ``"uniform"`` one ratio for every layer; or a LayerBudget (not under
-            joint). The mean of the layers' ratios is ρ, so the bytes held are the same.
+            decide each layer's share, unless ``TierConfig.budget_prior`` weighs it in); ``"uniform"`` one ratio
+            for every layer; or a LayerBudget (under joint only as the prior's). The mean of the layers' ratios is
+            ρ, so the bytes held are the same.
         tiers: the tiers' sizes and schedule (:class:`~curkv_train.runtime.cache_config.TierConfig`); default
             ``TierConfig()``.
         compute: kernels, factored attention, compilation and precision of the scoring
@@ -184,17 +208,14 @@ class CurKVCache(Cache):
         self.scoring_batch_tokens = self.tiers.scoring_batch_tokens
         self.awaiting: list[CurKVLayer] = []  # layers whose first compression waits for its group's scores
         self.joint_chunk = 1  # under joint allocation: layers scored together while the first compression waits
+        split, prior = layer_budgets(self.tiers, layer_budget, scorer)
         self.settings = TierSettings.resolve(
             self.tiers, self.compute, keep_ratio=check_keep_ratio(keep_ratio, allow_adaptive=True),
             max_tokens=max_tokens, n_sink=scorer.n_sink, window=scorer.window, head_dim=scorer.estimator.head_dim,
-            layer_budget=None if self.tiers.allocation == "joint" and layer_budget == "scorer"
-            else resolve_layer_budget(layer_budget, scorer))
+            layer_budget=split, prior_budget=prior)
         self.joint = self.settings.allocation == "joint"
-        if self.joint and self.settings.layer_budget is not None:
-            raise CurKVError("allocation='joint' decides each layer's share from the scores and takes no layer budget; "
-                             "pass layer_budget='scorer' or 'uniform', or TierConfig(allocation='per_head')")
         self.sliding = frozenset(sliding_layers(model))
-        if self.sliding and self.settings.layer_budget is not None:
+        if self.sliding and (split or prior) is not None:
             raise CurKVError("a layer budget on a hybrid model (sliding-window layers) is not supported yet; "
                              "pass layer_budget='uniform'")
         super().__init__(layers=self._build_layers(scorer.estimator.num_layers))
@@ -328,7 +349,11 @@ class CurKVCache(Cache):
         for layer in layers:  # every layer saw the same tokens: one competition for all
             layer.awaiting_scores, layer.projected_keys = False, None
             competition = layer.begin_compression(like=competition)
-        keep_jointly(layers, across_layers(logits, competition, self.settings.head_floor))
+        prior = self.settings.prior_budget
+        layer_ratios = None if prior is None else (
+            lambda share: [prior.ratios(share)[layer.layer_idx] for layer in layers])
+        keep_jointly(layers, across_layers(logits, competition, self.settings.head_floor, layer_ratios,
+                                           self.settings.budget_prior))
 
     def _score_layers(self, layers: list[CurKVLayer]) -> list[torch.Tensor]:
         """Estimator logits (batch, kv_heads, tokens) of each of ``layers``, every one holding the tokens seen."""

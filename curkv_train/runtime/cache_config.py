@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from curkv_train.core.errors import CurKVError
 from curkv_train.core.features import check_matmul_precision
-from curkv_train.core.selection import check_allocation, check_head_floor, check_recent_share
+from curkv_train.core.selection import check_allocation, check_budget_prior, check_head_floor, check_recent_share
 from curkv_train.kernels import BACKENDS
 from curkv_train.runtime import cur
 
@@ -81,6 +81,11 @@ class TierConfig:
             docs/runtime.md, "Joint allocation and ragged storage"). Not with ``cold``.
         head_floor: under ``joint``, the share of a head's equal share of the places filled by score that it keeps
             whatever the other heads score, in [0, 1]; None: the scorer's (its training's ``head_floor``).
+        budget_prior: under ``joint``, the weight w in [0, 1] of a calibrated layer budget (the cache's
+            ``layer_budget``, by default the scorer's) in a prefill's first compression: each head of layer l keeps
+            at least ⌊((1 − w)·head_floor·ρ + w·r_l)·n⌋ of its n competing tokens, r_l the budget's ratio for l
+            (:func:`~curkv_train.core.selection.prior_floor_counts`), the rest by the joint ranking. 0 (default):
+            the scores alone decide each layer's share; 1: the budget's split, the heads sharing within each layer.
     """
 
     recent_share: float = 0.5
@@ -101,9 +106,11 @@ class TierConfig:
     scoring_batch_tokens: int | None = None
     allocation: str | None = None
     head_floor: float | None = None
+    budget_prior: float = 0.0
 
     def __post_init__(self) -> None:
         check_recent_share(self.recent_share)
+        check_budget_prior(self.budget_prior)
         if self.allocation is not None:
             check_allocation(self.allocation)
         if self.head_floor is not None:
@@ -111,6 +118,9 @@ class TierConfig:
         if self.allocation == "joint" and self.cold:
             raise CurKVError("allocation='joint' does not support the cold tier yet; pass cold=False or "
                              "allocation='per_head'")
+        if self.budget_prior and self.allocation == "per_head":
+            raise CurKVError("budget_prior weighs a layer budget into the joint allocation; under allocation='per_head' "
+                             "pass the budget itself (CurKVCache's layer_budget)")
         for name, least in (("hot_windows", 1), ("compress_every", 1), ("warm_windows", 0)):
             check_count(name, getattr(self, name), least)
         for name, least in (("n_sink", 0), ("window", 1), ("cold_block", 1), ("cold_rows", 1), ("cold_channels", 1),

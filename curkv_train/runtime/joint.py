@@ -10,12 +10,13 @@ token or byte budget holds; which head holds them is the scores' decision.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from curkv_train.core.errors import CurKVError
-from curkv_train.core.selection import joint_keep_mask
+from curkv_train.core.selection import joint_keep_mask, prior_floor_counts
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,9 @@ def joint_choice(scores: torch.Tensor, competing: torch.Tensor, places: torch.Te
     return chosen
 
 
-def across_layers(logits: list[torch.Tensor], competition: Competition, head_floor: float) -> torch.Tensor:
+def across_layers(logits: list[torch.Tensor], competition: Competition, head_floor: float,
+                  layer_ratios: Callable[[float], Sequence[float]] | None = None,
+                  budget_prior: float = 0.0) -> torch.Tensor:
     """A prefill's first compression over every layer at once: the top ``places`` competing tokens of all layers and
     KV heads with a per-head floor (:func:`~curkv_train.core.selection.joint_keep_mask`).
 
@@ -92,6 +95,9 @@ def across_layers(logits: list[torch.Tensor], competition: Competition, head_flo
         logits: per layer (batch, kv_heads, tokens) scores of every held token (each layer holds the same tokens).
         competition: the layers' :class:`Competition` (one for all: they saw the same tokens).
         head_floor: TierConfig.head_floor.
+        layer_ratios: for a prior on the layers' shares, the calibrated budget's keep ratio of each of these layers
+            at a mean keep share (of the competing tokens); None: no prior.
+        budget_prior: TierConfig.budget_prior, the prior's weight (:func:`~curkv_train.core.selection.prior_floor_counts`).
 
     Returns:
         (layers, batch, kv_heads, tokens) bool, the competing tokens chosen.
@@ -101,6 +107,9 @@ def across_layers(logits: list[torch.Tensor], competition: Competition, head_flo
         raise CurKVError("a prefill's joint compression found no competing tokens; report this as a bug")
     start, keep = competition.n_sink, competition.target - int(competition.recent.max())
     scores = torch.stack(logits)[..., start:start + competing]
-    mask = joint_keep_mask(scores, keep / competing, head_floor).bool()
+    share = keep / competing
+    floors = None if layer_ratios is None or not budget_prior else prior_floor_counts(
+        competing, scores.shape[2], share, head_floor, layer_ratios(share), budget_prior)
+    mask = joint_keep_mask(scores, share, head_floor, floors).bool()
     tokens = logits[0].shape[-1]
     return torch.nn.functional.pad(mask, (start, tokens - start - competing))

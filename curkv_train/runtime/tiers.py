@@ -43,10 +43,13 @@ class TierSettings:
     layer_budget: LayerBudget | None = None
     allocation: str = "per_head"  # TierConfig.allocation
     head_floor: float = 0.1  # TierConfig.head_floor
+    budget_prior: float = 0.0  # TierConfig.budget_prior
+    prior_budget: LayerBudget | None = None  # the budget it weighs in, under joint
 
     @classmethod
     def resolve(cls, tiers: TierConfig, compute: ComputeConfig, *, keep_ratio: float | str, max_tokens: int | None,
-                n_sink: int, window: int, head_dim: int, layer_budget: LayerBudget | None) -> "TierSettings":
+                n_sink: int, window: int, head_dim: int, layer_budget: LayerBudget | None,
+                prior_budget: LayerBudget | None = None) -> "TierSettings":
         """The settings ``tiers`` and ``compute`` give a cache whose scorer protects ``n_sink`` sinks, works in
         windows of ``window`` tokens and reads keys ``head_dim`` wide (each used where ``tiers`` leaves it None)."""
         window = window if tiers.window is None else tiers.window
@@ -60,7 +63,7 @@ class TierSettings:
                    cold_core=tiers.cold_core, compensation=tiers.compensation,
                    compensation_ratio=tiers.compensation_ratio, max_tokens=max_tokens, backend=compute.backend,
                    recent_share=tiers.recent_share, layer_budget=layer_budget, allocation=tiers.allocation,
-                   head_floor=tiers.head_floor)
+                   head_floor=tiers.head_floor, budget_prior=tiers.budget_prior, prior_budget=prior_budget)
 
     def __post_init__(self) -> None:
         """The budget's and the resolved spans' checks (TierConfig checked the sizes it was given)."""

@@ -97,3 +97,33 @@ def test_the_evaluation_runs_rules_at_the_scorers_allocation(model, scorer):
     assert same and all(entry["method"] == RAGGED and entry["baseline"].startswith(SAME) for entry in same)
     system = results["summary"]  # system against system: a rule at the scorer's allocation is not a system
     assert system and all(entry["method"] == RAGGED and entry["baseline"] == "knorm" for entry in system)
+
+
+def test_the_budget_prior_row_holds_the_same_tokens_and_is_not_a_baseline(model, scorer):
+    from curkv_train.eval.allocated import PRIOR
+    from curkv_train.runtime import LayerBudget
+
+    budgeted = dataclasses.replace(scorer, layer_budget=LayerBudget((1.0, 30.0)))
+    settings = EvalSettings([0.5], n_sink=N_SINK, window=WINDOW, backend="torch")
+    examples = [TaskExample("ppl_text", context(seed), CONTEXT) for seed in (1, 2)]
+    allocated = AllocatedRows(budgeted, ("knorm",), TIERS, "torch", budget_prior=1.0)
+    assert allocated.own_rows() == [RAGGED, RAGGED + PRIOR]
+    results = evaluate(model, {"ppl_text": examples}, build_methods(["full", "knorm"], None, n_sink=N_SINK,
+                                                                   window=WINDOW),
+                       settings, allocated=allocated, ours=RAGGED, not_baselines=(RAGGED + PRIOR,))
+    rows = {row["method"]: row["metrics"] for row in results["rows"]}
+    assert rows[RAGGED + PRIOR]["kept_tokens"] == rows[RAGGED]["kept_tokens"]
+    assert rows[RAGGED + PRIOR]["ppl"] != rows[RAGGED]["ppl"]  # the budget moved the memory, and the outcome
+    assert all(entry["baseline"] != RAGGED + PRIOR for entry in results["summary"])
+
+
+def test_a_budget_prior_without_rows_at_the_scorers_allocation_is_refused(scorer):
+    from curkv_train.eval.cli import EvalConfig, _allocated_rows
+
+    with pytest.raises(CurKVError, match="--budget_prior adds a row beside the rules"):
+        _allocated_rows(EvalConfig(scorer="x", tasks=["ppl_text"], same_allocation=["none"], budget_prior=0.5),
+                        scorer, (N_SINK, WINDOW))
+    with pytest.raises(CurKVError, match="budget_prior must be in"):
+        _allocated_rows(EvalConfig(scorer="x", tasks=["ppl_text"], budget_prior=2.0), scorer, (N_SINK, WINDOW))
+    rows = _allocated_rows(EvalConfig(scorer="x", tasks=["ppl_text"], budget_prior=0.5), scorer, (N_SINK, WINDOW))
+    assert rows.budget_prior == 0.5 and rows.own_rows()[-1] == RAGGED + "@prior"

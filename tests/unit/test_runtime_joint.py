@@ -185,7 +185,7 @@ def test_an_unknown_allocation_is_refused():
 
 
 def test_joint_with_a_layer_budget_is_refused(model, scorer):
-    with pytest.raises(CurKVError, match="layer_budget='scorer' or 'uniform'"):
+    with pytest.raises(CurKVError, match="a layer budget enters only as a prior"):
         CurKVCache(scorer, model, keep_ratio=0.5, tiers=JOINT, layer_budget=LayerBudget((1.0, 2.0)))
 
 
