@@ -169,7 +169,8 @@ def test_the_configs_keep_the_earlier_defaults_and_the_cache_few_parameters():
         "recent_share": 0.5, "n_sink": None, "window": None, "hot": True, "hot_windows": 2, "compress_every": 2,
         "warm": True, "warm_windows": 10, "cold": False, "cold_block": None, "cold_rows": None,
         "cold_channels": None, "cold_core": "optimal", "compensation": True, "compensation_ratio": 0.05,
-        "scoring_batch_tokens": None, "allocation": None, "head_floor": None}  # None: the scorer's (its allocation's)
+        "scoring_batch_tokens": None, "allocation": None, "head_floor": None,  # None: the scorer's (its allocation's)
+        "budget_prior": 0.0}
     assert dataclasses.asdict(ComputeConfig()) == {"backend": "auto", "factored_attention": True,
                                                    "compile_scorer": False, "scorer_precision": None,
                                                    "scoring_graphs": False}
