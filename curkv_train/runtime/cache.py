@@ -120,6 +120,7 @@ def resolved_tiers(tiers: TierConfig, scorer: Scorer) -> TierConfig:
                                scoring_batch_tokens=(default_scoring_batch_tokens(allocation) if batch is None
                                                      else batch))
 
+
 def layer_budgets(tiers: TierConfig, choice: str | LayerBudget, scorer: Scorer) -> tuple[LayerBudget | None,
                                                                                         LayerBudget | None]:
     """(the per-head allocation's layer split, the joint allocation's prior budget) that the cache's
