@@ -167,9 +167,9 @@ def check_budget_prior(budget_prior: float) -> float:
     return float(budget_prior)
 
 
-def prior_floor_counts(num_compressible: int, heads: int, keep_ratio: float, head_floor: float,
-                       layer_ratios: Sequence[float], budget_prior: float) -> list[int]:
-    """Per layer, the compressible tokens each of its ``heads`` KV heads keeps whatever the joint ranking says, when
+def prior_floor_counts(num_compressible: int, keep_ratio: float, head_floor: float, layer_ratios: Sequence[float],
+                       budget_prior: float) -> list[int]:
+    """Per layer, the compressible tokens each of its KV heads keeps whatever the joint ranking says, when
     a calibrated layer budget is the joint allocation's prior.
 
     The floor's share of a layer's tokens mixes the head floor and the budget: ⌊((1 − w)·floor·ρ + w·r_l)·n⌋, with
@@ -179,7 +179,6 @@ def prior_floor_counts(num_compressible: int, heads: int, keep_ratio: float, hea
 
     Args:
         num_compressible: n, compressible tokens per (layer, KV head).
-        heads: KV heads per layer.
         keep_ratio: ρ, the mean keep share of the compressible tokens.
         head_floor: :func:`check_head_floor`'s floor.
         layer_ratios: per layer, the budget's keep ratio at ρ (:meth:`~curkv_train.runtime.allocation.LayerBudget.ratios`).

@@ -109,7 +109,7 @@ def across_layers(logits: list[torch.Tensor], competition: Competition, head_flo
     scores = torch.stack(logits)[..., start:start + competing]
     share = keep / competing
     floors = None if layer_ratios is None or not budget_prior else prior_floor_counts(
-        competing, scores.shape[2], share, head_floor, layer_ratios(share), budget_prior)
+        competing, share, head_floor, layer_ratios(share), budget_prior)
     mask = joint_keep_mask(scores, share, head_floor, floors).bool()
     tokens = logits[0].shape[-1]
     return torch.nn.functional.pad(mask, (start, tokens - start - competing))

@@ -27,7 +27,7 @@ def scorer():
 def test_the_prior_floors_never_ask_for_more_than_the_joint_total(prior, keep_ratio):
     n, heads, layers = 97, 3, 8
     ratios = LayerBudget(tuple(float(value) for value in torch.rand(layers) * 5)).ratios(keep_ratio)
-    floors = prior_floor_counts(n, heads, keep_ratio, 0.1, ratios, prior)
+    floors = prior_floor_counts(n, keep_ratio, 0.1, ratios, prior)
     assert heads * sum(floors) <= kept_count(layers * heads * n, keep_ratio)
     if prior == 1.0:  # the budget's own split, to a token per head
         assert all(abs(floor - ratio * n) < 1 for floor, ratio in zip(floors, ratios))
