@@ -73,13 +73,18 @@ def added_per_layer(model: PreTrainedModel, make_cache, context: int, seed: int 
     for name, build in (("plain", lambda: DynamicCache(config=model.config)), ("cache", make_cache)):
         dispatched(model, ids, build())
         runs[name] = dispatched(model, ids, build())
-    layers = model.config.num_hidden_layers
-    aten = (sum(runs["cache"][0].values()) - sum(runs["plain"][0].values())) / layers
-    triton = (sum(runs["cache"][1].values()) - sum(runs["plain"][1].values())) / layers
-    plain = sum(runs["plain"][0].values()) / layers
+    aten, triton, plain = added(runs, model.config.num_hidden_layers)
     return {"context": context, "aten_per_layer": aten, "triton_per_layer": triton, "operators_per_layer": aten + triton,
             "plain_aten_per_layer": plain,
             "top_added": (runs["cache"][0] - runs["plain"][0]).most_common(8)}
+
+
+def added(runs: dict[str, tuple[Counter[str], Counter[str]]], units: int) -> tuple[float, float, float]:
+    """(aten operators, Triton launches) the ``cache`` run dispatched beyond the ``plain`` one, and the plain run's
+    aten operators, each per unit (``units``: layers, or layers × steps)."""
+    aten = (sum(runs["cache"][0].values()) - sum(runs["plain"][0].values())) / units
+    triton = (sum(runs["cache"][1].values()) - sum(runs["plain"][1].values())) / units
+    return aten, triton, sum(runs["plain"][0].values()) / units
 
 
 @torch.no_grad()
@@ -96,9 +101,6 @@ def decode_added_per_layer(model: PreTrainedModel, make_cache, context: int, ste
             for _ in range(steps):
                 token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
         runs[name] = (counter.counts, launches)
-    per_step = model.config.num_hidden_layers * steps
-    aten = (sum(runs["cache"][0].values()) - sum(runs["plain"][0].values())) / per_step
-    triton = (sum(runs["cache"][1].values()) - sum(runs["plain"][1].values())) / per_step
+    aten, triton, plain = added(runs, model.config.num_hidden_layers * steps)
     return {"context": context, "steps": steps, "aten_per_layer_step": aten, "triton_per_layer_step": triton,
-            "operators_per_layer_step": aten + triton,
-            "plain_aten_per_layer_step": sum(runs["plain"][0].values()) / per_step}
+            "operators_per_layer_step": aten + triton, "plain_aten_per_layer_step": plain}
