@@ -22,8 +22,11 @@ def test_finds_every_python_block():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("index", range(len(python_blocks(README.read_text()))))
-def test_readme_block_runs(index: int):
-    """Block ``index`` of README.md executes without error in a namespace of its own."""
+def test_readme_block_runs(index: int, monkeypatch):
+    """Block ``index`` of README.md executes without error in a namespace of its own, as a user's CPU runs it:
+    without the suite's TRITON_INTERPRET, under which ``auto`` would send the cache's CPU tensors through the
+    interpreted kernels (two minutes for the generate example instead of seconds)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     source = python_blocks(README.read_text())[index]
     exec(compile(source, f"README.md python block {index + 1}", "exec"), {"__name__": f"readme_block_{index + 1}"})
 
