@@ -11,6 +11,15 @@ import yaml
 HERE = Path(__file__).parent
 
 
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment of a user's ``curkv-train`` process: the suite's, offline, one thread, ``extra`` on top.
+
+    Without the suite's TRITON_INTERPRET (set for the kernel tests): a user's CPU run takes the torch path.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    return {**env, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **extra}
+
+
 def run_fit(config: dict, root: Path, *flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``curkv-train fit --recipe tiny-debug`` with ``config`` layered on top, in a fresh process.
 
@@ -19,9 +28,7 @@ def run_fit(config: dict, root: Path, *flags: str, timeout: float = 600) -> subp
     root.mkdir(parents=True, exist_ok=True)
     path = root / "test-config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
+    env = user_env(PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "curkv_train.cli", "fit", "--recipe", "tiny-debug", "--config", str(path),
                "--trainer.default_root_dir", str(root), *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)

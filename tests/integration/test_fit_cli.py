@@ -1,6 +1,5 @@
 """`curkv-train fit --recipe tiny-debug` end to end through the installed console script."""
 
-import os
 import re
 import shutil
 import subprocess
@@ -8,6 +7,8 @@ import subprocess
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from fit_helpers import user_env
 
 pytestmark = pytest.mark.integration
 
@@ -19,8 +20,7 @@ NOISE = ["LightningCLI's args parameter", "in eval mode at the start of training
 def test_fit_tiny_debug_writes_checkpoint_tensorboard_and_config(tmp_path):
     executable = shutil.which("curkv-train")
     assert executable, "the package's console script is not installed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
+    env = user_env()
     # 24 steps: TokenThroughput reports tokens/s once its 20-batch window is full.
     result = subprocess.run([executable, "fit", "--recipe", "tiny-debug", "--trainer.max_steps=24",
                              f"--trainer.default_root_dir={tmp_path}"],

@@ -1,12 +1,12 @@
 """The real pipeline: `curkv-train fit` on tiny-debug for 2 steps, then `curkv-train export` on its last.ckpt."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from fit_helpers import user_env
 
 from curkv_train.models.base import TINY_RANDOM, load_base_model
 from curkv_train.runtime import CurKVCache, load_scorer
@@ -16,9 +16,7 @@ pytestmark = pytest.mark.integration
 
 def curkv_train(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", "import sys; from curkv_train.cli import main; sys.exit(main())", *args]
-    # The CPU reference path, as a user runs it (the suite's TRITON_INTERPRET is for the kernel tests).
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=user_env())
 
 
 def test_fit_then_export_then_generate(tmp_path):
