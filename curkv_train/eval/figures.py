@@ -20,6 +20,13 @@ def signed(value: float) -> str:
     return f"{value:+.3g}"
 
 
+def signed_interval(point: float, interval) -> str:
+    """``+0.12 [-0.03, +0.25]``: a paired difference and its (low, high) interval; the point alone if a bound is
+    missing or not finite."""
+    return signed(point) + (f" [{signed(interval[0])}, {signed(interval[1])}]"
+                            if all(finite(bound) for bound in interval) else "")
+
+
 def ordered_methods(rows: list[dict]) -> list[str]:
     """The rows' method names: ``full`` first, kvpress's presses as shipped (``kvpress:...``) last."""
     names = list(dict.fromkeys(row["method"] for row in rows))

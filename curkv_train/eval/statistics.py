@@ -20,7 +20,9 @@ from curkv_train.eval.metrics import ExampleSums, finalize, total
 
 BUDGET_METRICS = ("kept_tokens", "context_tokens", "kv_bytes", "prefill_seconds")
 LOWER_IS_BETTER = frozenset({"ppl_increase_pct", "ppl", "kl", "nll"})
-WINS, LOSES, TIES, TIES_AT_FULL = "wins", "loses", "ties (within noise)", "ties (both equal the full cache)"
+WINS, LOSES, TIES = "wins", "loses", "ties (within noise)"
+# A tie where the uncompressed cache itself does not beat the baseline by the paired interval: no ranking could.
+TIES_AT_FULL = "ties (so does the full cache)"
 
 
 @dataclass(frozen=True)
@@ -91,17 +93,18 @@ def paired_difference(kind: str, name: str, ours: dict[str, np.ndarray], theirs:
     return Difference(float(point), *bootstrap.interval(samples))
 
 
-def verdict(difference: Difference, name: str, *, theirs_at_full: bool = False) -> str:
-    """``wins`` / ``loses`` where the interval of ours − theirs excludes 0 (in our favour / against us),
-    else a tie; equal to a baseline that already matches the full cache is a tie too."""
-    if difference.point == 0.0 and theirs_at_full:
-        return TIES_AT_FULL
+def verdict(difference: Difference, name: str, *, full_minus_theirs: Difference | None = None) -> str:
+    """``wins`` / ``loses`` where the interval of ours − theirs excludes 0 (in our favour / against us), else a
+    tie; ``TIES_AT_FULL`` where ``full_minus_theirs`` (paired) shows that the uncompressed cache does not
+    beat them either, so that no choice of tokens could have won there on these examples."""
     sign = -1.0 if name in LOWER_IS_BETTER else 1.0
     low, high = sorted((sign * difference.low, sign * difference.high))
     if low > 0.0:
         return WINS
     if high < 0.0:
         return LOSES
+    if full_minus_theirs is not None and verdict(full_minus_theirs, name) != WINS:
+        return TIES_AT_FULL
     return TIES
 
 
@@ -122,7 +125,8 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
     the ``reference`` (the full cache) and ``exclude`` (rows that are not baselines), the first in method order
     among equals; the verdict reads the paired bootstrap interval of ours − best on the same examples
     (:func:`verdict`). ``main_metric``, ``kinds``: task -> metric, kind. Returns one entry per (task, ratio):
-    ``ours``'s value and interval, the best baseline's, the paired difference and the verdict.
+    ``ours``'s value and interval, the best baseline's, the paired difference, ``full_minus_best`` (the full cache
+    against the best baseline, paired: [point, low, high]; None without a full-cache row) and the verdict.
     """
     table = {(row["method"], row["ratio"], row["task"]): row for row in rows}
     methods = list(dict.fromkeys(row["method"] for row in rows))
@@ -143,13 +147,15 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
             sums = example_sums(mine)
             weights = bootstrap.weights(len(next(iter(sums.values()))), task, mine.get("example_groups"))
             difference = paired_difference(kinds[task], name, sums, example_sums(theirs), full, weights, bootstrap)
-            at_full = full_row is not None and best_value == full_row["metrics"].get(name)
+            ceiling = paired_difference(kinds[task], name, full, example_sums(theirs), full, weights,
+                                        bootstrap) if full else None  # the full cache against the best baseline
             entries.append({"task": task, "metric": name, "ratio": ratio, "method": ours,
                             ours: mine["metrics"][name], f"{ours}_interval": mine.get("intervals", {}).get(name),
                             "baseline": best, "baseline_value": best_value,
                             "baseline_interval": theirs.get("intervals", {}).get(name),
                             "difference": difference.point, "difference_interval": [difference.low, difference.high],
-                            "verdict": verdict(difference, name, theirs_at_full=at_full)})
+                            "full_minus_best": ceiling and [ceiling.point, ceiling.low, ceiling.high],
+                            "verdict": verdict(difference, name, full_minus_theirs=ceiling)})
     return entries
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from curkv_train.eval.figures import errorbar_png, finite, method_table, ordered_methods, signed
+from curkv_train.eval.figures import errorbar_png, finite, method_table, ordered_methods, signed_interval
 from curkv_train.eval.stream_rows import FULL
 
 MAIN = "ppl_increase_pct"
@@ -34,9 +34,7 @@ def _summary(streaming: dict) -> list[str]:
     lines = ["| task | setting | scorer ΔPPL % | baseline | baseline ΔPPL % | scorer − baseline | verdict | "
              "bytes held % (scorer / baseline) |", "|---|---|---|---|---|---|---|---|"]
     for entry in entries:
-        low, high = entry["difference_interval"]
-        difference = signed(entry["difference"]) + (f" [{signed(low)}, {signed(high)}]"
-                                                     if finite(low) and finite(high) else "")
+        difference = signed_interval(entry["difference"], entry["difference_interval"])
         lines.append(f"| {entry['task']} | {entry['setting']} | {entry['method']} {entry['value']:.3g} | "
                      f"{'equal bytes: ' if entry['against'] == 'recency' else 'best: '}{entry['baseline']} | "
                      f"{entry['baseline_value']:.3g} | {difference} | {entry['verdict']} | "

@@ -156,6 +156,24 @@ def test_noise_on_few_examples_is_a_tie_and_equal_at_the_full_cache_says_so():
     assert verdict(Difference(0.2, 0.1, 0.3), "kl") == LOSES
 
 
+def test_a_tie_with_a_baseline_the_full_cache_does_not_beat_either_says_so(noisy_nll):
+    jitter = 0.05 * np.where(np.arange(EXAMPLES) % 2, 1.0, -1.0)  # the baseline: the full cache give or take noise
+    cells = {("full", 0.0, "ppl_text"): ppl_sums(noisy_nll),
+             ("snapkv", 0.5, "ppl_text"): ppl_sums(noisy_nll + jitter),
+             ("curkv", 0.5, "ppl_text"): ppl_sums(noisy_nll - jitter),
+             ("snapkv", 0.7, "ppl_text"): ppl_sums(noisy_nll + 0.10 + jitter),  # clearly above the full cache
+             ("curkv", 0.7, "ppl_text"): ppl_sums(noisy_nll + 0.10 - jitter)}
+    no_room, room = results_of(cells)["summary"]
+    low, high = no_room["full_minus_best"][1:]
+    assert low < 0 < high and no_room["verdict"] == TIES_AT_FULL
+    assert room["full_minus_best"][2] < 0 and room["verdict"] == TIES  # the full cache wins there: a plain tie
+    lines = curkv_summary(results_of(cells))
+    assert lines[2].endswith("| curkv − best | full − best | verdict |")
+    assert lines[4].endswith(f"| {no_room['full_minus_best'][0]:+.3g} [{low:+.3g}, {high:+.3g}] | {TIES_AT_FULL} |")
+    # a clear loss stays a loss whatever the full cache does
+    assert verdict(Difference(0.2, 0.1, 0.3), "kl", full_minus_theirs=Difference(0.0, -0.1, 0.1)) == LOSES
+
+
 def test_report_shows_intervals_and_the_summary_first(noisy_nll):
     results = results_of({("full", 0.0, "ppl_text"): ppl_sums(noisy_nll),
                           ("snapkv", 0.5, "ppl_text"): ppl_sums(noisy_nll + 0.10),
