@@ -144,10 +144,10 @@ def summarize(rows: list[dict], main_metric: dict[str, str], kinds: dict[str, st
             # the best point estimate; among equals the first in method order (the baselines before kvpress:*)
             best_value, best = (min if name in LOWER_IS_BETTER else max)(scored, key=lambda scored: scored[0])
             theirs = table[(best, ratio, task)]
-            sums = example_sums(mine)
+            sums, their_sums = example_sums(mine), example_sums(theirs)
             weights = bootstrap.weights(len(next(iter(sums.values()))), task, mine.get("example_groups"))
-            difference = paired_difference(kinds[task], name, sums, example_sums(theirs), full, weights, bootstrap)
-            ceiling = paired_difference(kinds[task], name, full, example_sums(theirs), full, weights,
+            difference = paired_difference(kinds[task], name, sums, their_sums, full, weights, bootstrap)
+            ceiling = paired_difference(kinds[task], name, full, their_sums, full, weights,
                                         bootstrap) if full else None  # the full cache against the best baseline
             entries.append({"task": task, "metric": name, "ratio": ratio, "method": ours,
                             ours: mine["metrics"][name], f"{ours}_interval": mine.get("intervals", {}).get(name),
